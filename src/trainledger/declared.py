@@ -1,0 +1,111 @@
+"""Declared ledgers: the persistent state of a training setup from its stated format, no tensors.
+
+``P`` parameters, each listed array with its own precision: weights, gradients, the optimizer's
+full-length state arrays, an optional master copy. This is the seed's payload arithmetic
+(``B = P · Σ b_k``) made into a ledger, so every consumer (reports, the sharding transform) treats it
+like any other. No torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainledger.errors import InputError
+from trainledger.ledger import Category, Entry, Evidence, Ledger
+from trainledger.units import dtype_bytes, parse_dtype
+
+# Full-length state arrays each optimizer keeps per parameter (scalar step counters are left out and
+# named in the notes). Adafactor's factored state depends on tensor shapes, so it cannot be declared
+# from a parameter count alone.
+OPTIMIZER_ARRAYS: dict[str, tuple[str, ...]] = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw-amsgrad": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "sgd": (),
+    "sgd-momentum": ("momentum_buffer",),
+    "lion": ("exp_avg",),
+    "adagrad": ("sum",),
+    "rmsprop": ("square_avg",),
+    "adamax": ("exp_avg", "exp_inf"),
+    "none": (),
+}
+
+EXCLUDED = (
+    "activations",
+    "workspace",
+    "communication buffers",
+    "optimizer step counters (a few bytes per tensor)",
+    "allocator rounding and fragmentation",
+    "framework objects",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSpec:
+    """A training setup stated as formats, for a declared ledger."""
+
+    num_params: int
+    """Trainable parameters ``P``."""
+    weights: str = "bf16"
+    """Precision of the model's weights."""
+    grads: str | None = None
+    """Precision of the gradients (default: as the weights); ``"none"`` leaves them out."""
+    optimizer: str = "adamw"
+    """One of ``OPTIMIZER_ARRAYS``."""
+    moments: str = "fp32"
+    """Precision of the optimizer's state arrays."""
+    master: str | None = None
+    """Precision of a master copy of the weights held by the optimizer (``None``: no master copy)."""
+    frozen_params: int = 0
+    """Parameters of frozen weights (a LoRA base, a reference model), in the weights' precision."""
+    device: str = "device"
+
+
+def declared_ledger(spec: StateSpec) -> Ledger:
+    """The ledger of ``spec``: one entry per full-length array, evidence ``declared``.
+
+    Example:
+        >>> led = declared_ledger(StateSpec(num_params=10**9, weights="bf16", optimizer="adamw", moments="fp32"))
+        >>> led.peak().bytes
+        12000000000
+    """
+    if spec.num_params <= 0:
+        raise InputError(f"--params {spec.num_params} must be a positive count of parameters")
+    opt = spec.optimizer.lower()
+    if opt == "adafactor":
+        raise InputError("adafactor's factored state depends on tensor shapes; inventory a real model with --model")
+    if opt not in OPTIMIZER_ARRAYS:
+        raise InputError(f"unknown optimizer {spec.optimizer!r}; accepted: {', '.join(OPTIMIZER_ARRAYS)}")
+    P = spec.num_params
+    weights = parse_dtype(spec.weights)
+    rows: list[tuple[str, Category, str, str, int]] = [("weights", Category.WEIGHTS, "param", weights, P)]
+    if spec.master is not None:
+        rows.append(("master", Category.OPTIMIZER, "master", parse_dtype(spec.master), P))
+    moments = parse_dtype(spec.moments)
+    rows += [(role, Category.OPTIMIZER, role, moments, P) for role in OPTIMIZER_ARRAYS[opt]]
+    grads = weights if spec.grads is None else spec.grads
+    if grads != "none":
+        rows.append(("gradients", Category.GRADIENTS, "grad", parse_dtype(grads), P))
+    if spec.frozen_params:
+        rows.append(("frozen", Category.FROZEN, "param", weights, spec.frozen_params))
+    entries = tuple(
+        Entry(
+            name=name,
+            category=cat,
+            role=role,
+            dtype=dtype,
+            numel=numel,
+            nbytes=numel * dtype_bytes(dtype),
+            device=spec.device,
+            owner="declared",
+            evidence=Evidence.DECLARED,
+        )
+        for name, cat, role, dtype, numel in rows
+    )
+    return Ledger(
+        entries,
+        evidence=Evidence.DECLARED,
+        device=spec.device,
+        notes=("declared from a stated format; excluded: " + ", ".join(EXCLUDED),),
+        meta={"spec": dict(spec.__dict__)},
+    )

@@ -1,0 +1,1 @@
+"""Reports: terminal tables, JSON, plots and exports. They format ledgers; they compute nothing new."""

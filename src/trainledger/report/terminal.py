@@ -1,0 +1,123 @@
+"""Terminal rendering of ledgers and results with rich. Formats only: computes nothing new."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from trainledger.ledger import CATEGORY_ORDER, Ledger, Payload, Peak
+from trainledger.units import format_bytes, short_dtype
+
+UNITS_NOTE = "GB = 10^9 bytes, GiB = 2^30 bytes"
+
+
+def both_units(nbytes: int) -> str:
+    """``12.00 GB / 11.18 GiB``: decimal and binary, so nobody has to guess which."""
+    if nbytes < 1000:
+        return f"{nbytes} B"
+    return f"{format_bytes(nbytes, binary=False)} / {format_bytes(nbytes)}"
+
+
+def category_table(ledger: Ledger, *, title: str = "") -> Table:
+    """Rows grouped by category, role and dtype, with element counts, bytes and evidence; totals below."""
+    table = Table(title=title or None, title_justify="left", show_footer=True)
+    table.add_column("category", footer="total")
+    table.add_column("role")
+    table.add_column("dtype")
+    table.add_column("arrays", justify="right")
+    table.add_column("elements", justify="right")
+    table.add_column("bytes", justify="right", footer=f"{sum(e.nbytes for e in ledger.entries):,}")
+    table.add_column("size", justify="right", footer=both_units(sum(e.nbytes for e in ledger.entries)))
+    table.add_column("evidence")
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    evid: dict[tuple[str, str, str], set[str]] = {}
+    for e in ledger.entries:
+        key = (str(e.category), e.role, e.dtype)
+        g = groups.setdefault(key, [0, 0, 0])
+        g[0] += 1
+        g[1] += e.numel
+        g[2] += e.nbytes
+        evid.setdefault(key, set()).add(str(e.evidence))
+    order = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
+    for key in sorted(groups, key=lambda k: (order[k[0]], k[1], k[2])):
+        count, numel, nbytes = groups[key]
+        table.add_row(
+            key[0],
+            key[1],
+            short_dtype(key[2]),
+            str(count),
+            f"{numel:,}",
+            f"{nbytes:,}",
+            both_units(nbytes),
+            ", ".join(sorted(evid[key])),
+        )
+    return table
+
+
+def payload_text(payload: Payload) -> Text:
+    """The seed's formula with this ledger's numbers and the running sums."""
+    if not payload.rows:
+        return Text("payload: no full-length arrays to list")
+    terms = " + ".join(_num(r.bytes_per_param) for r in payload.rows)
+    lines = [
+        f"B_payload = P · Σ b_k = {payload.num_params:,} × ({terms}) = {payload.bytes:,} bytes",
+    ]
+    for (label, total), row in zip(payload.running_totals(), payload.rows, strict=True):
+        lines.append(
+            f"  + {label:<22} {_num(row.bytes_per_param):>4} B/param {row.bytes:>16,}   running total {total:,}"
+        )
+    if payload.excluded:
+        lines.append("  not full-length arrays, not in the formula: " + ", ".join(payload.excluded))
+    return Text("\n".join(lines))
+
+
+def _num(x: object) -> str:
+    f = float(x)  # type: ignore[arg-type]
+    return str(int(f)) if f == int(f) else f"{f:.3g}"
+
+
+def peak_text(peak: Peak, *, evidence: str, maxima: dict[str, int], single_instant: bool) -> Text:
+    if single_instant:  # a peak is claimed only from a trace or a measurement
+        head = (
+            f"total persistent state {peak.bytes:,} bytes ({both_units(peak.bytes)}), evidence {evidence}; "
+            "not a peak: activations and workspace come from `trainledger trace`"
+        )
+    else:
+        head = f"peak {peak.bytes:,} bytes ({both_units(peak.bytes)}), evidence {evidence}"
+    if not single_instant:
+        where = f"event {peak.event}, {peak.phase}"
+        if peak.op:
+            where += f", op {peak.op}"
+        if peak.module:
+            where += f", module {peak.module}"
+        head += f" at {where}"
+    parts = [head, "  at that instant: " + ", ".join(f"{k} {v:,}" for k, v in _ordered(peak.by_category))]
+    total_max = sum(maxima.values())
+    if not single_instant:
+        over = total_max - peak.bytes
+        parts.append(
+            f"  sum of per-category maxima {total_max:,} bytes (not simultaneous; overstates the peak by {over:,})"
+        )
+    return Text("\n".join(parts))
+
+
+def _ordered(d: dict[str, int]) -> Iterable[tuple[str, int]]:
+    order = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
+    return sorted(d.items(), key=lambda kv: order.get(kv[0], 99))
+
+
+def notes_text(notes: Iterable[str]) -> Text:
+    return Text("\n".join(f"note: {n}" for n in notes), style="dim")
+
+
+def make_console() -> Console:
+    """A console that is 120 columns wide when printing to a file or pipe (rich would pick 80)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
+
+
+def print_renderables(*items: object, console: Console | None = None) -> None:
+    (console or make_console()).print(Group(*items))  # type: ignore[arg-type]

@@ -1,0 +1,134 @@
+"""Byte sizes, counts and dtypes: parse what users type, format what they read.
+
+Inside, everything is integer bytes. ``GB`` is 1000³ bytes and ``GiB`` 1024³; formatting says which.
+No torch import: dtypes are known by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from trainledger.errors import InputError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``12GB``, ``11.2GiB``, ``512MiB``, ``1e9`` or plain bytes into integer bytes.
+
+    Example:
+        >>> parse_size("1.5KiB"), parse_size("2GB")
+        (1536, 2000000000)
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise InputError(f"size {text!r} is not understood; use bytes or a unit: 12GB, 11.2GiB, 512MiB, 1e9")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    nbytes = value * _SIZE_UNITS[unit]
+    if not math.isfinite(nbytes) or nbytes <= 0:
+        raise InputError(f"size {text!r} must be positive")
+    return round(nbytes)
+
+
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
+
+
+def parse_count(text: str | int) -> int:
+    """Parse a positive count: ``423``, ``1e9``, ``7B``, ``1.5M``.
+
+    Example:
+        >>> parse_count("1e9"), parse_count("7B")
+        (1000000000, 7000000000)
+    """
+    m = _COUNT_RE.match(str(text))
+    if not m:
+        raise InputError(f"count {text!r} is not a number; use e.g. 423, 1e9, 7B, 1.5M")
+    value = float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()]
+    if not math.isfinite(value) or value <= 0 or value != round(value):
+        raise InputError(f"count {text!r} must be a positive whole number")
+    return round(value)
+
+
+def format_bytes(nbytes: int | float, *, binary: bool = True) -> str:
+    """``1.50 GiB`` (1024-based, default) or ``1.61 GB`` (1000-based)."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB"))
+    value, unit = float(nbytes), units[0]
+    for unit in units:
+        if abs(value) < base or unit == units[-1]:
+            break
+        value /= base
+    return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+
+
+# Bytes per element of each stored precision, keyed by torch's name without the ``torch.`` prefix.
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+_DTYPE_ALIASES = {
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+    "binary64": "float64",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "int": "int64",
+    "long": "int64",
+}
+
+
+def parse_dtype(text: str) -> str:
+    """Canonical dtype name from what users type: ``bf16`` → ``bfloat16``, ``torch.float32`` → ``float32``."""
+    name = str(text).strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        accepted = "fp32, bf16, fp16, fp64, fp8 (e4m3/e5m2), int8"
+        raise InputError(f"unknown dtype {text!r}; accepted: {accepted}")
+    return name
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[parse_dtype(dtype)]
+
+
+def short_dtype(dtype: str) -> str:
+    """The short name people write: ``bfloat16`` → ``bf16``."""
+    return {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(dtype, dtype)

@@ -1,0 +1,217 @@
+"""One training step's ingredients, how to load them, and how to run the step.
+
+A :class:`Workload` is a model, a batch, a loss and an optimizer. The step every capture runs is
+forward, loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``; the
+``on_phase`` callback lets the tracer and the measurer see where one phase ends and the next begins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainledger.errors import InputError
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+
+@dataclass
+class Workload:
+    """The ingredients of one training step.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 1)
+        >>> w = Workload(model, torch.randn(8, 4), loss_fn=lambda out, batch: out.square().mean())
+        >>> type(w.get_optimizer()).__name__
+        'AdamW'
+    """
+
+    model: nn.Module
+    batch: Any
+    """Passed as ``model(batch)`` for a tensor, ``model(*batch)`` for a tuple or list, ``model(**batch)`` for a dict."""
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    """``loss_fn(output, batch)`` returns a scalar; without it the output must be the loss or carry ``.loss``."""
+    optimizer: torch.optim.Optimizer | OptimizerFactory | None = None
+    """An optimizer instance, or a factory of the model's trainable parameters (default: AdamW)."""
+    reference: nn.Module | None = None
+    """A frozen model that takes part in the loss (a DPO reference): its weights are ``frozen``."""
+    autocast_dtype: torch.dtype | None = None
+    """Run forward and loss under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``)."""
+    name: str = ""
+    _optimizer: torch.optim.Optimizer | None = field(default=None, init=False, repr=False)
+
+    def get_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer instance, built once from the factory (default AdamW) on first use."""
+        if self._optimizer is None:
+            opt = self.optimizer
+            if opt is None:
+                opt = torch.optim.AdamW
+            if not isinstance(opt, torch.optim.Optimizer):
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                if not params:
+                    raise InputError("the model has no trainable parameters (all have requires_grad=False)")
+                opt = opt(params)
+            if not any(p.requires_grad for g in opt.param_groups for p in g["params"]):
+                raise InputError("the optimizer holds no trainable parameters; give it the model's parameters")
+            self._optimizer = opt
+        return self._optimizer
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(batch)``, ``model(*batch)`` or ``model(**batch)`` depending on the batch's type."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def compute_loss(workload: Workload, output: Any) -> torch.Tensor:
+    """The step's scalar loss, checked: a 0-dim tensor that requires grad."""
+    if workload.loss_fn is not None:
+        loss = workload.loss_fn(output, workload.batch)
+        source = "loss_fn(output, batch)"
+    elif isinstance(output, torch.Tensor):
+        loss, source = output, "the model's output"
+    elif getattr(output, "loss", None) is not None:
+        loss, source = output.loss, "the model's output.loss"
+    elif isinstance(output, dict) and output.get("loss") is not None:
+        loss, source = output["loss"], "the model's output['loss']"
+    else:
+        raise InputError(
+            f"cannot find a loss: the model returned {type(output).__name__}; "
+            "give Workload(loss_fn=...) or return a scalar loss (or an object with .loss)"
+        )
+    if not isinstance(loss, torch.Tensor):
+        raise InputError(f"{source} is a {type(loss).__name__}, not a tensor; return a scalar tensor")
+    if loss.dim() != 0:
+        raise InputError(f"{source} has shape {tuple(loss.shape)}, not a scalar; reduce it (e.g. .mean())")
+    if not loss.requires_grad:
+        raise InputError(f"{source} does not require grad; it must depend on trainable parameters")
+    return loss
+
+
+def run_step(
+    workload: Workload,
+    *,
+    on_phase: Callable[[str], None] | None = None,
+    on_loss: Callable[[torch.Tensor], None] | None = None,
+    zero_grad: bool = True,
+) -> None:
+    """One training step: forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``.
+
+    Arguments:
+        on_phase: called with each phase name as it begins (``forward``, ``backward``, ``optimizer``,
+            ``zero_grad``) and with ``"end"`` after the last.
+        on_loss: called with the loss before backward (e.g. to count the autograd graph).
+        zero_grad: ``False`` leaves the gradients in place (to inventory them).
+    """
+    note = on_phase or (lambda _phase: None)
+    optimizer = workload.get_optimizer()
+    note("forward")
+    with _autocast(workload):
+        output = call_model(workload.model, workload.batch)
+        loss = compute_loss(workload, output)
+    del output
+    if on_loss is not None:
+        on_loss(loss)
+    note("backward")
+    loss.backward()
+    del loss
+    note("optimizer")
+    optimizer.step()
+    if zero_grad:
+        note("zero_grad")
+        optimizer.zero_grad(set_to_none=True)
+    note("end")
+
+
+def _autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
+    if workload.autocast_dtype is None:
+        return contextlib.nullcontext()
+    device = next(workload.model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=workload.autocast_dtype)
+
+
+def count_autograd_nodes(loss: torch.Tensor) -> int:
+    """Number of autograd graph nodes reachable from ``loss`` (``AccumulateGrad`` leaves included).
+
+    This is a node count: not FLOPs, not bytes.
+    """
+    seen: set[int] = set()
+    stack = [loss.grad_fn] if loss.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return len(seen)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a batch: a tensor, or nested tuples, lists and dicts of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from iter_tensors(v)
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+def load_workload(spec: str) -> Workload:
+    """A built-in example by name (``gpt-tiny``) or a user's ``path/to/file.py:factory``.
+
+    ``factory()`` is called with no arguments and must return a :class:`Workload`.
+    """
+    from trainledger import examples
+
+    if spec in examples.EXAMPLES:
+        return examples.build(spec)
+    if ":" not in spec:
+        known = ", ".join(examples.EXAMPLES)
+        raise InputError(f"unknown model {spec!r}; use a built-in example ({known}) or path/to/file.py:factory")
+    path_text, _, factory_name = spec.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise InputError(f"model file {path_text!r} does not exist; give path/to/file.py:factory")
+    if not factory_name.isidentifier():
+        raise InputError(f"factory name {factory_name!r} in {spec!r} is not a Python name")
+    module_name = f"_trainledger_user_{abs(hash(path.resolve()))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise InputError(f"cannot import {path_text!r}; it must be a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: report it in one line
+        raise InputError(f"importing {path_text!r} raised {type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise InputError(f"{path_text!r} has no function {factory_name!r}")
+    try:
+        workload = factory()
+    except Exception as exc:
+        raise InputError(f"{factory_name}() raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise InputError(
+            f"{factory_name}() returned {type(workload).__name__}; "
+            "it must return trainledger.Workload(model, batch, ...)"
+        )
+    workload.name = workload.name or f"{path.name}:{factory_name}"
+    return workload

@@ -1,0 +1,109 @@
+"""`trainledger state` and `demo` as a user runs them; every bad input is one line and exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_subprocess
+
+
+def test_seed_json_reports_the_seeds_numbers(cli_json):
+    d = cli_json("state", "--model", "seed-423")
+    for key in ("schema", "evidence", "device", "peak", "category_maxima", "sum_of_category_maxima"):
+        assert key in d
+    assert d["by_category"]["weights"] == 3384
+    assert d["by_category"]["frozen"] == 3384
+    assert [a["running_total"] for a in d["payload"]["arrays"]] == [3384, 6768, 10152, 13536]
+    assert [a["label"] for a in d["payload"]["arrays"]] == [
+        "weights",
+        "optimizer:exp_avg",
+        "optimizer:exp_avg_sq",
+        "gradients",
+    ]
+    assert d["num_params"] == 423
+    assert d["num_autograd_graph_nodes"] == 13
+    assert d["recovery_checkpoint"]["bytes"] == 10168
+
+
+def test_declared_engineering_example(cli_json):
+    base = ["state", "--params", "1e9", "--weights", "bf16", "--grads", "bf16", "--optimizer", "adamw"]
+    d = cli_json(*base, "--moments", "fp32")
+    assert d["peak"]["bytes"] == 12 * 10**9 and d["evidence"] == "declared"
+    assert {a["label"]: a["bytes_per_param"] for a in d["payload"]["arrays"]} == {
+        "weights": 2,
+        "optimizer:exp_avg": 4,
+        "optimizer:exp_avg_sq": 4,
+        "gradients": 2,
+    }
+    assert "activations" in d["notes"][0]
+    d = cli_json(*base, "--moments", "fp32", "--master", "fp32")
+    assert d["peak"]["bytes"] == 16 * 10**9
+
+
+def test_human_table_names_units_and_exclusions(cli):
+    code, out, _ = cli("state", "--params", "1e9", "--optimizer", "adamw")
+    assert code == 0
+    assert "12.00 GB" in out and "GiB = 2^30" in out and "excluded" in out
+
+
+def test_demo_runs(cli):
+    code, out, err = cli("demo")
+    assert code == 0, err
+    assert "13,536" in out and "10,152" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["state", "--model", "nope"], "unknown model 'nope'"),
+        (["state", "--model", "missing.py:make"], "does not exist"),
+        (["state", "--params", "1e9", "--weights", "fp12"], "unknown dtype 'fp12'"),
+        (["state", "--params", "1e9", "--optimizer", "sgdx"], "unknown optimizer 'sgdx'"),
+        (["state", "--params", "-5"], "--params"),
+        (["state", "--params", "0"], "--params"),
+        (["state", "--params", "lots"], "--params"),
+        (["state"], "give --model"),
+        (["state", "--model", "mlp", "--params", "5"], "not both"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
+    code, out, err = cli(*argv)
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+FACTORIES = """
+import torch, trainledger
+def good():
+    return trainledger.Workload(torch.nn.Linear(3, 1), torch.randn(4, 3), loss_fn=lambda o, b: o.sum())
+def raises():
+    raise RuntimeError("no GPU here")
+def wrong():
+    return 42
+"""
+
+
+@pytest.mark.parametrize(
+    ("factory", "code", "fragment"),
+    [
+        ("good", 0, ""),
+        ("raises", 2, "raises() raised RuntimeError: no GPU here"),
+        ("wrong", 2, "returned int"),
+        ("absent", 2, "has no function 'absent'"),
+    ],
+)
+def test_user_factories(cli, tmp_path, factory, code, fragment):
+    f = tmp_path / "mine.py"
+    f.write_text(FACTORIES)
+    before = f.read_text()
+    status, out, err = cli("state", "--model", f"{f}:{factory}")
+    assert status == code, err
+    assert fragment in err
+    assert f.read_text() == before  # nothing the user gave is modified
+
+
+def test_the_real_entry_point_prints_no_traceback():
+    proc = run_subprocess("state", "--model", "nope")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
