@@ -1,0 +1,225 @@
+"""A picture of a ledger: live bytes stacked by category over the step's event clock.
+
+matplotlib is optional (``pip install 'trainledger[plot]'``) and imported only when a plot is drawn. The
+figure is drawn on its own Agg canvas, without pyplot, so a plot never changes the caller's matplotlib
+backend or leaves figures open.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from trainledger.errors import InputError
+from trainledger.ledger import CATEGORY_ORDER, Ledger
+from trainledger.report.exports import check_output_path
+
+PLOT_SUFFIXES = (".png", ".svg")
+
+# A fixed colour per category (the same in every picture), in the fixed category order.
+CATEGORY_COLORS: dict[str, str] = {
+    "weights": "#4e79a7",
+    "frozen": "#9c755f",
+    "gradients": "#f28e2b",
+    "optimizer": "#e15759",
+    "activations": "#59a14f",
+    "workspace": "#edc948",
+    "inputs": "#b07aa1",
+    "communication": "#76b7b2",
+    "other": "#bab0ac",
+}
+PHASE_COLORS: dict[str, str] = {
+    "forward": "#dbe9f6",
+    "backward": "#fde2cf",
+    "optimizer": "#e3f1df",
+    "zero_grad": "#ececec",
+    "state": "#f4f4f4",
+}
+_OTHER_PHASE_COLOR = "#f0e6f6"
+
+# 1024-based units, chosen by the scale of the largest value drawn.
+_BINARY_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+
+
+def _unit(max_bytes: int) -> tuple[int, str]:
+    for scale, name in _BINARY_UNITS:
+        if max_bytes >= scale:
+            return scale, name
+    return 1, "B"
+
+
+def phase_runs(ledger: Ledger) -> list[tuple[str, int, int]]:
+    """Contiguous runs of one phase on the clock: ``(phase, first event, last event + 1)``.
+
+    Example:
+        >>> from trainledger.ledger import Event, Ledger
+        >>> phases = ["forward", "forward", "backward", "optimizer", "optimizer"]
+        >>> phase_runs(Ledger((), tuple(Event(i, p) for i, p in enumerate(phases))))
+        [('forward', 0, 2), ('backward', 2, 3), ('optimizer', 3, 5)]
+    """
+    runs: list[tuple[str, int, int]] = []
+    for i, ev in enumerate(ledger.events):
+        if runs and runs[-1][0] == ev.phase:
+            runs[-1] = (ev.phase, runs[-1][1], i + 1)
+        else:
+            runs.append((ev.phase, i, i + 1))
+    return runs
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise InputError(
+            "plots need matplotlib, which is not installed; install it with: pip install 'trainledger[plot]'"
+        ) from exc
+    return Figure, FigureCanvasAgg
+
+
+def plot_timeline(
+    ledger: Ledger,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    protect: Iterable[str | os.PathLike[str]] = (),
+) -> Path:
+    """Draw live bytes stacked by category over the event clock, and write it as PNG or SVG.
+
+    The picture shows the phases (forward, backward, optimizer, zero_grad) as shaded bands, the peak
+    (the largest simultaneous total) with the op, module and phase where it happens, and a faint line at
+    the sum of per-category maxima, which is *not* a simultaneous total.
+
+    Arguments:
+        ledger: any ledger; a traced one has one event per op.
+        path: the output file; ``.png`` or ``.svg`` (the format follows the suffix).
+        title: the figure's title (default: the model's name, if the ledger's meta has one, and the evidence).
+        protect: the user's input files; writing over one is refused.
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> from trainledger.examples import mlp
+        >>> from trainledger.trace import trace
+        >>> plot_timeline(trace(mlp()), "step.png")  # doctest: +SKIP
+        PosixPath('step.png')
+    """
+    out = check_output_path(path, PLOT_SUFFIXES, what="plot", protect=protect)
+    fig = timeline_figure(ledger, title=title)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out
+
+
+def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
+    """The :func:`plot_timeline` picture as a ``matplotlib.figure.Figure`` (to show in a notebook, or adjust).
+
+    Example:
+        >>> from trainledger.ledger import Category, Entry, Event, Ledger
+        >>> w = Entry("w", Category.WEIGHTS, "param", "float32", 256, 1024)
+        >>> fig = timeline_figure(Ledger((w,), (Event(0, "forward", "mm"), Event(1, "backward", "mm"))))
+        >>> fig.axes[0].get_ylabel()
+        'live memory (KiB, 1 KiB = 2^10 bytes)'
+    """
+    Figure, FigureCanvasAgg = _matplotlib()
+
+    n = ledger.num_events
+    timeline = ledger.timeline()
+    cats = [c.value for c in CATEGORY_ORDER if any(timeline[c.value])]
+    peak = ledger.peak()
+    sum_max = ledger.sum_of_category_maxima()
+    scale, unit = _unit(max(peak.bytes, sum_max, 1))
+
+    fig = Figure(figsize=(12, 6), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+
+    # Each event occupies [i, i + 1) on the x axis: a step function, drawn with one extra point at the end.
+    x = list(range(n + 1))
+    ys = [[v / scale for v in timeline[c]] + [timeline[c][-1] / scale] for c in cats]
+    top = max(peak.bytes, sum_max) / scale
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, top * 1.18 if top else 1)
+
+    for phase, first, stop in phase_runs(ledger):
+        ax.axvspan(first, stop, color=PHASE_COLORS.get(phase, _OTHER_PHASE_COLOR), zorder=0, lw=0)
+        if (stop - first) / n >= 0.04:  # label bands wide enough to hold their name
+            ax.text(
+                (first + stop) / 2,
+                0.985,
+                phase,
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="top",
+                fontsize=9,
+                color="#555555",
+            )
+    if ys:
+        ax.stackplot(
+            x,
+            *ys,
+            labels=cats,
+            colors=[CATEGORY_COLORS[c] for c in cats],
+            step="post",
+            lw=0,
+            zorder=2,
+        )
+
+    if sum_max > peak.bytes:
+        ax.axhline(
+            sum_max / scale,
+            color="#777777",
+            lw=1,
+            ls=(0, (4, 3)),
+            zorder=3,
+            label="sum of category maxima\n(not simultaneous)",
+        )
+
+    px, py = peak.event + 0.5, peak.bytes / scale
+    ax.axvline(px, color="#222222", lw=0.8, ls=":", zorder=3)
+    ax.plot([px], [py], marker="v", color="#222222", ms=7, zorder=4, ls="none")
+    where = f" at {peak.op}" if peak.op else ""
+    if peak.module:
+        where += f" in {peak.module}"
+    label = f"peak {_fmt(peak.bytes, scale, unit)}{where} ({peak.phase})"
+    right_half = px > n / 2
+    ax.annotate(
+        label,
+        xy=(px, py),
+        xytext=(-12 if right_half else 12, 14),
+        textcoords="offset points",
+        ha="right" if right_half else "left",
+        va="bottom",
+        fontsize=10,
+        bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#999999", "alpha": 0.9},
+        arrowprops={"arrowstyle": "-", "color": "#222222", "lw": 0.8},
+        zorder=5,
+    )
+
+    ax.set_xlabel("event (one per op on the step's clock)" if n > 1 else "event")
+    ax.set_ylabel(f"live memory ({unit}, 1 {unit} = {_unit_def(unit)})")
+    ax.grid(axis="y", color="#cccccc", lw=0.5, zorder=1)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title if title is not None else _default_title(ledger), loc="left", fontsize=12)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _fmt(nbytes: int, scale: int, unit: str) -> str:
+    return f"{nbytes} B" if scale == 1 else f"{nbytes / scale:.2f} {unit}"
+
+
+def _unit_def(unit: str) -> str:
+    power = {"B": 0, "KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40}[unit]
+    return "1 byte" if power == 0 else f"2^{power} bytes"
+
+
+def _default_title(ledger: Ledger) -> str:
+    model = ledger.meta.get("model")
+    head = f"{model}: " if model else ""
+    return f"{head}live memory over one training step (evidence: {ledger.evidence}, {ledger.device})"
