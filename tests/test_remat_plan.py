@@ -1,0 +1,94 @@
+"""Plans that run: apply/remove, JSON by module path, and the oracle: gradients equal to the plain step's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainledger.errors import InputError
+from trainledger.examples import gpt_tiny
+from trainledger.remat.plan import Plan, Region, structure_fingerprint
+from trainledger.workload import Workload, call_model, compute_loss
+
+
+def _grads(w: Workload, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """One forward+backward with dropout on, from a fixed RNG state; returns every parameter's gradient."""
+    w.model.train()
+    w.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = compute_loss(w, call_model(w.model, w.batch))
+    loss.backward()
+    return {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
+
+
+PLANS = [
+    (Region("blocks.0"), Region("blocks.1"), Region("blocks.2"), Region("blocks.3")),
+    (Region("blocks.1.attn"), Region("blocks.1.mlp"), Region("blocks.3")),
+    (Region("blocks.0", "selective"), Region("blocks.2", "selective"), Region("blocks.3.mlp")),
+]
+
+
+@pytest.mark.parametrize("regions", PLANS)
+def test_gradients_bitwise_equal_with_dropout(regions):
+    plain = _grads(gpt_tiny())
+    w = gpt_tiny()
+    plan = Plan(regions=regions, fingerprint=structure_fingerprint(w.model))
+    plan.apply(w.model)
+    planned = _grads(w)
+    assert planned.keys() == plain.keys()
+    for name, g in plain.items():
+        assert torch.equal(planned[name], g), name  # bitwise, not approximately
+    # dropout really was on: another seed gives other gradients
+    other = _grads(gpt_tiny(), seed=99)
+    assert not torch.equal(other["blocks.0.mlp.fc.weight"], plain["blocks.0.mlp.fc.weight"])
+
+
+def test_remove_restores_the_exact_model():
+    w = gpt_tiny()
+    before_state = {k: v.clone() for k, v in w.model.state_dict().items()}
+    before_forward = {n: m.__dict__.get("forward") for n, m in w.model.named_modules()}
+    plan = Plan(regions=PLANS[1], fingerprint=structure_fingerprint(w.model))
+    plan.apply(w.model)
+    assert "forward" in w.model.get_submodule("blocks.1.attn").__dict__
+    plan.remove(w.model)
+    assert {n: m.__dict__.get("forward") for n, m in w.model.named_modules()} == before_forward
+    assert all(not any(k.startswith("_trainledger") for k in m.__dict__) for m in w.model.modules())
+    after = w.model.state_dict()
+    assert after.keys() == before_state.keys() and all(torch.equal(after[k], before_state[k]) for k in after)
+
+
+def test_json_round_trip_and_structure_check(tmp_path):
+    w = gpt_tiny()
+    plan = Plan(regions=PLANS[2], fingerprint=structure_fingerprint(w.model), model="gpt-tiny", extra_flops=7)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert json.loads(path.read_text())["regions"][0] == {"path": "blocks.0", "policy": "selective"}
+    other = gpt_tiny(n_layer=2)
+    with pytest.raises(InputError, match="does not have"):
+        loaded.apply(other.model)  # blocks.2 is missing
+    wider = gpt_tiny(n_embd=32)
+    with pytest.raises(InputError, match="another structure"):
+        Plan(regions=(Region("blocks.0"),), fingerprint=plan.fingerprint).apply(wider.model)
+
+
+def test_applying_twice_and_bad_files_are_clear_errors(tmp_path):
+    w = gpt_tiny()
+    plan = Plan(regions=(Region("blocks.0"),), fingerprint=structure_fingerprint(w.model))
+    plan.apply(w.model)
+    with pytest.raises(InputError, match="already runs under a plan"):
+        plan.apply(w.model)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(InputError, match="is not JSON"):
+        Plan.load(bad)
+    bad.write_text('{"schema": "something/1"}')
+    with pytest.raises(InputError, match="not a trainledger plan"):
+        Plan.load(bad)
+    with pytest.raises(InputError, match="does not exist"):
+        Plan.load(tmp_path / "absent.json")
+    with pytest.raises(InputError, match="policy 'sometimes'"):
+        Plan(regions=(Region("blocks.1", "sometimes"),), fingerprint=plan.fingerprint).check(w.model)  # type: ignore[arg-type]
