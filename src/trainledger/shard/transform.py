@@ -1,0 +1,684 @@
+"""Sharding as a transform of a ledger: ZeRO stages 0–3 and FSDP, one ledger per rank.
+
+Pure arithmetic on ledgers, no torch. Given the ledger of one process's step (traced, or a single
+instant from an inventory or a declared format) and a :class:`ShardConfig`, :func:`shard` returns each
+rank's ledger and the collectives of the step:
+
+- optimizer state (moments, master copies) divided from stage 1, gradients from stage 2, parameters
+  from stage 3 (Rajbhandari et al. 2019, "ZeRO", §5); FSDP's strategies shard parameters at rest;
+- padding for uneven shards, as each engine pads (see ``engine``);
+- for stage 3 and FSDP, the parameters gathered for each unit while it runs, in forward and again in
+  backward (with the prefetch depth), found from the trace's per-event ``module``;
+- gradient buckets, reduce-scatter and all-gather buffers (category ``communication``);
+- frozen parameters: sharded with their unit under stage 3/FSDP, never reduced, no optimizer state.
+
+Activations, workspace and inputs stay as they are on every rank: data parallelism splits the batch,
+not the model, and the per-rank batch is the micro-batch the ledger was traced with.
+
+Engines (the padding and buffers differ; the arithmetic of the paper is the same):
+
+- ``deepspeed``: partitions of the flattened parameters, each rank holding ``ceil(numel / N)``
+  elements; one reduce bucket of ``reduce_bucket_numel`` elements (DeepSpeed's ``reduce_bucket_size``
+  default 5e8); volumes as the ZeRO paper counts them (reduce-scatter + all-gather for stages 1–2).
+- ``torch``: what PyTorch's own engines do, as ``trainledger shard --run`` runs them — stage 0 is
+  ``DistributedDataParallel`` (gradient buckets covering every gradient, ``gradient_as_bucket_view``
+  off), stage 1 adds ``ZeroRedundancyOptimizer`` (whole parameters assigned greedily, largest first,
+  to the least-loaded rank; parameters broadcast from their owners after the step), stages 2 and 3 are
+  FSDP2 ``fully_shard`` with ``reshard_after_forward`` off and on (each parameter split on dim 0 into
+  ``ceil(d0 / N)`` rows, padded; one all-gather and one reduce-scatter per unit).
+
+Known limitations: allocator rounding is not modelled; optimizer-phase workspace is scaled by the
+fraction of optimizer state a rank keeps (an approximation); DeepSpeed's parameter persistence
+threshold and live-parameter limit (stage 3) are not modelled.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from trainledger.errors import InputError
+from trainledger.ledger import Category, Entry, Evidence, Ledger
+from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
+from trainledger.units import dtype_bytes
+
+Strategy = Literal["zero0", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "hybrid_shard"]
+STRATEGIES: tuple[Strategy, ...] = (
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+    "full_shard",
+    "shard_grad_op",
+    "hybrid_shard",
+)
+Engine = Literal["deepspeed", "torch"]
+ENGINES: tuple[Engine, ...] = ("deepspeed", "torch")
+
+DEEPSPEED_REDUCE_BUCKET_NUMEL = 500_000_000
+"""DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""``DistributedDataParallel(bucket_cap_mb=25)``: PyTorch's default bucket size (MiB)."""
+
+
+def parse_strategy(text: str | int) -> Strategy:
+    """``0``–``3`` (ZeRO stages) or an FSDP strategy name, as users type them.
+
+    Example:
+        >>> parse_strategy("3"), parse_strategy("FULL_SHARD"), parse_strategy("hybrid-shard")
+        ('zero3', 'full_shard', 'hybrid_shard')
+    """
+    name = str(text).strip().lower().replace("-", "_")
+    if name in ("0", "1", "2", "3"):
+        name = f"zero{name}"
+    if name not in STRATEGIES:
+        raise InputError(
+            f"unknown stage {text!r}; accepted: 0, 1, 2, 3 (ZeRO stages) or full_shard, shard_grad_op, hybrid_shard"
+        )
+    return name  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """How the step is sharded across ranks."""
+
+    world_size: int
+    """Number of ranks ``N`` (data-parallel degree)."""
+    strategy: Strategy = "zero3"
+    """ZeRO stage (``zero0`` = plain data parallel … ``zero3``) or an FSDP sharding strategy."""
+    engine: Engine = "deepspeed"
+    """Whose padding and buffers: ``deepspeed`` (flat partitions) or ``torch`` (DDP, ZeRO optimizer, FSDP2)."""
+    num_nodes: int = 1
+    """``hybrid_shard``: shard within each of ``num_nodes`` groups, replicate across them."""
+    units: tuple[str, ...] | None = None
+    """Module paths gathered as one unit each (stage 3/FSDP); ``None``: the repeated blocks found in
+    the parameter names (``blocks.0``, ``blocks.1``…), plus the root for the rest."""
+    forward_prefetch: int = 0
+    """Units gathered ahead in forward (FSDP2's default: none)."""
+    backward_prefetch: int = 1
+    """Units gathered ahead in backward (FSDP2's default: the next one)."""
+    reduce_bucket_numel: int = DEEPSPEED_REDUCE_BUCKET_NUMEL
+    """``deepspeed``: elements per gradient reduce bucket."""
+    ddp_bucket_bytes: int = DDP_BUCKET_BYTES
+    """``torch`` stages 0–1: bytes per DDP gradient bucket (sets the number of all-reduce calls)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise InputError(f"--world {self.world_size} must be a whole number of ranks, at least 1")
+        if self.strategy not in STRATEGIES:
+            raise InputError(f"unknown strategy {self.strategy!r}; accepted: {', '.join(STRATEGIES)}")
+        if self.engine not in ENGINES:
+            raise InputError(f"unknown engine {self.engine!r}; accepted: {', '.join(ENGINES)}")
+        if self.num_nodes < 1 or self.world_size % self.num_nodes:
+            raise InputError(
+                f"--nodes {self.num_nodes} must be at least 1 and divide --world {self.world_size} "
+                "(hybrid sharding shards within each node and replicates across nodes)"
+            )
+        if self.forward_prefetch < 0 or self.backward_prefetch < 0:
+            raise InputError("prefetch depths must be 0 or more units")
+        if self.reduce_bucket_numel < 1 or self.ddp_bucket_bytes < 1:
+            raise InputError("bucket sizes must be positive")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a strategy divides, on which engine: derived once from the config."""
+
+    shard_optimizer: bool
+    shard_grads: bool
+    shard_params: bool
+    regather_backward: bool
+    """Stage 3 / FULL_SHARD: parameters freed after a unit's forward and gathered again for backward."""
+    partition: Literal["flat", "greedy", "dim0"]
+    buffers: Literal["ddp", "bucket", "fsdp"]
+    shard_size: int
+    replicas: int
+    label: str
+
+
+def plan_for(config: ShardConfig) -> _Plan:
+    s, n = config.strategy, config.world_size
+    torch = config.engine == "torch"
+    if torch and s == "zero2":
+        s = "shard_grad_op"
+    if torch and s == "zero3":
+        s = "full_shard"
+    if s in ("zero0", "zero1"):
+        return _Plan(
+            s == "zero1",
+            False,
+            False,
+            False,
+            "greedy" if torch else "flat",
+            "ddp" if torch else "bucket",
+            n,
+            1,
+            ("DDP" if s == "zero0" else "DDP + ZeroRedundancyOptimizer") if torch else f"ZeRO stage {s[-1]}",
+        )
+    if s in ("zero2", "zero3"):
+        return _Plan(True, True, s == "zero3", s == "zero3", "flat", "bucket", n, 1, f"ZeRO stage {s[-1]}")
+    shard = n // config.num_nodes if s == "hybrid_shard" else n
+    return _Plan(
+        True,
+        True,
+        True,
+        s != "shard_grad_op",
+        "dim0",
+        "fsdp",
+        shard,
+        n // shard,
+        f"FSDP {s.upper()}" + (" (FSDP2 fully_shard)" if torch else ""),
+    )
+
+
+# --- per-rank sizes ----------------------------------------------------------------------------------
+
+
+def shard_rows(numel: int, shape: tuple[int, ...], num_shards: int, rank: int, partition: str) -> tuple[int, int]:
+    """``(held, actual)`` elements of one array on ``rank``: what its storage holds (with padding) and
+    how many of those are real elements.
+
+    ``flat``: ``ceil(numel / N)`` each (DeepSpeed's padded partitions). ``dim0``: ``ceil(d0 / N)`` rows of
+    dim 0 (FSDP2's ``torch.chunk``), the last ranks holding fewer real rows, possibly none.
+
+    Example:
+        >>> [shard_rows(10 * 3, (10, 3), 4, r, "dim0") for r in range(4)]
+        [(9, 9), (9, 9), (9, 9), (9, 3)]
+        >>> shard_rows(7, (7,), 4, 3, "flat")
+        (2, 1)
+    """
+    if partition == "dim0" and shape:
+        d0 = shape[0]
+        rest = numel // d0 if d0 else 0
+        rows = -(-d0 // num_shards)
+        real = max(0, min(rows, d0 - rank * rows))
+        return rows * rest, real * rest
+    per = -(-numel // num_shards)
+    return per, max(0, min(per, numel - rank * per))
+
+
+def greedy_owners(sizes: Sequence[int], num_ranks: int) -> list[int]:
+    """``ZeroRedundancyOptimizer``'s partition: largest parameter first (stable), each to the rank
+    holding the fewest elements so far (lowest rank on ties). Returns the owner of each parameter.
+
+    Example:
+        >>> greedy_owners([5, 3, 3, 1], 2)
+        [0, 1, 1, 0]
+    """
+    owners = [0] * len(sizes)
+    load = [0] * num_ranks
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        rank = min(range(num_ranks), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += sizes[i]
+    return owners
+
+
+def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
+    """The repeated blocks of a model, from its parameter names: ``blocks.0``, ``blocks.1``… — the
+    first dotted prefix followed by at least two distinct integers. These become the FSDP units
+    (one per transformer block, the root taking the rest), as ``trainledger shard --run`` wraps them.
+
+    Example:
+        >>> infer_units(["wte.weight", "h.0.attn.w", "h.0.mlp.w", "h.1.attn.w", "ln_f.weight"])
+        ('h.0', 'h.1')
+    """
+    found: dict[str, list[int]] = {}
+    order: list[str] = []
+    for name in param_names:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            if parts[i].isdigit():
+                prefix = ".".join(parts[:i])
+                if prefix not in found:
+                    found[prefix] = []
+                    order.append(prefix)
+                if int(parts[i]) not in found[prefix]:
+                    found[prefix].append(int(parts[i]))
+                break
+    for prefix in order:  # the first (outermost) repeated container wins
+        if len(found[prefix]) >= 2:
+            return tuple(f"{prefix}.{i}" for i in found[prefix])
+    return ()
+
+
+def unit_of(name: str, units: Sequence[str]) -> str:
+    """The unit holding a parameter or module path: the longest unit prefix, else the root ``""``."""
+    best = ""
+    for u in units:
+        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+# --- the transform -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """Per-rank ledgers and the collectives of one sharded step."""
+
+    config: ShardConfig
+    label: str
+    source: Ledger
+    ranks: tuple[Ledger, ...]
+    collectives: tuple[Collective, ...]
+    """Per rank (every rank runs the same collectives)."""
+    units: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def model_state_bytes(self, rank: int = 0) -> int:
+        """Weights, frozen weights, gradients and optimizer state held on ``rank``, persistent ones only
+        (the ZeRO paper's "model states"); gathered parameters and buffers are not included."""
+        return sum(
+            e.nbytes
+            for e in self.ranks[rank].entries
+            if e.category in _MODEL_STATE and e.role != "gathered" and e.alloc_event is None
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: rank 0's ledger keys at the top, every rank's summary under ``ranks``."""
+        out = self.ranks[0].to_dict(entries=False)
+        out["shard"] = {
+            "strategy": self.config.strategy,
+            "engine": self.config.engine,
+            "label": self.label,
+            "world_size": self.config.world_size,
+            "num_nodes": self.config.num_nodes,
+            "units": list(self.units),
+        }
+        out["ranks"] = [
+            {
+                "rank": r,
+                "predicted_peak_bytes": led.peak().bytes,
+                "model_state_bytes": self.model_state_bytes(r),
+                "peak": led.to_dict(entries=False)["peak"],
+                "by_category": {k[0]: v for k, v in led.bytes_by("category").items()},
+            }
+            for r, led in enumerate(self.ranks)
+        ]
+        out["collectives"] = [
+            {
+                "kind": c.kind,
+                "phase": c.phase,
+                "label": c.label,
+                "payload_bytes": c.payload_bytes,
+                "wire_bytes": c.wire_bytes,
+                "group_size": c.group_size,
+                "num_calls": c.num_calls,
+            }
+            for c in self.collectives
+        ]
+        out["collective_payload_bytes"] = payload_by_kind(self.collectives)
+        out["collective_wire_bytes"] = wire_by_kind(self.collectives)
+        out["notes"] = [*out["notes"], *self.notes]
+        return out
+
+
+_MODEL_STATE = (Category.WEIGHTS, Category.FROZEN, Category.GRADIENTS, Category.OPTIMIZER)
+
+
+def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> ShardResult:
+    """Each rank's ledger when ``ledger``'s step is sharded as ``config`` says.
+
+    Arguments:
+        ledger: one process's step — traced (entries with lifetimes, events with modules) or a single
+            instant (inventoried or declared state).
+        config: a :class:`ShardConfig`, or its fields as keyword arguments.
+
+    Returns:
+        A :class:`ShardResult`: one ledger per rank (evidence as the input's; a traced input gives
+        predicted timelines, not traces) and the per-rank collectives.
+
+    Example:
+        >>> from trainledger.declared import StateSpec, declared_ledger
+        >>> led = declared_ledger(StateSpec(num_params=7_500_000_000, weights="fp16", master="fp32", grads="fp16"))
+        >>> [shard(led, world_size=64, strategy=f"zero{s}").model_state_bytes() for s in range(4)]
+        [120000000000, 31406250000, 16640625000, 1875000000]
+    """
+    if config is None:
+        config = ShardConfig(**kwargs)
+    elif kwargs:
+        config = replace(config, **kwargs)
+    plan = plan_for(config)
+    params = [e for e in ledger.entries if e.category == Category.WEIGHTS or _shardable_frozen(e)]
+    names = [e.name for e in params]
+    units = config.units if config.units is not None else infer_units(names)
+    ctx = _Context(ledger, config, plan, units)
+    ranks = tuple(ctx.rank_ledger(r) for r in range(config.world_size))
+    collectives = tuple(ctx.collectives())
+    return ShardResult(config, plan.label, ledger, ranks, collectives, tuple(units), tuple(ctx.notes))
+
+
+def _shardable_frozen(e: Entry) -> bool:
+    """Frozen weights of the wrapped model (a LoRA base) are sharded with it; a reference model is not."""
+    return e.category == Category.FROZEN and e.role != "reference"
+
+
+_SUFFIX_RE = re.compile(r"^(optimizer\.)")
+
+
+class _Context:
+    """Shared lookups for building every rank's ledger of one transform."""
+
+    def __init__(self, ledger: Ledger, config: ShardConfig, plan: _Plan, units: Sequence[str]) -> None:
+        self.ledger, self.config, self.plan, self.units = ledger, config, plan, tuple(units)
+        self.notes: list[str] = []
+        self.traced = ledger.num_events > 1 or ledger.events[0].phase != "state"
+        self.params = [e for e in ledger.entries if e.category == Category.WEIGHTS or _shardable_frozen(e)]
+        self.param_by_name: dict[str, Entry] = {}
+        for p in self.params:
+            for n in (p.name, *p.aliases):
+                self.param_by_name.setdefault(n, p)
+        trainable = [p for p in self.params if p.category == Category.WEIGHTS]
+        self.owner = dict(
+            zip((p.name for p in trainable), greedy_owners([p.numel for p in trainable], plan.shard_size), strict=True)
+        )
+        self.spans = self._spans() if self.traced else {}
+        phases = [ev.phase for ev in ledger.events]
+        self.last_backward = max((i for i, ph in enumerate(phases) if ph == "backward"), default=None)
+
+    # --- lookups ---
+
+    def param_of(self, e: Entry) -> Entry | None:
+        """The parameter an optimizer or gradient entry belongs to (by name: ``optimizer.<param>.<slot>``)."""
+        for text in (e.owner, e.name):
+            s = _SUFFIX_RE.sub("", text)
+            while s:
+                if s in self.param_by_name:
+                    return self.param_by_name[s]
+                s = s.rpartition(".")[0]
+        return None
+
+    def _spans(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``(unit, phase) -> (first event, last event)`` of each unit's ops; the root spans the phase."""
+        spans: dict[tuple[str, str], tuple[int, int]] = {}
+        for ev in self.ledger.events:
+            if ev.phase not in ("forward", "backward"):
+                continue
+            for key in {(unit_of(ev.module, self.units), ev.phase), ("", ev.phase)}:
+                lo, hi = spans.get(key, (ev.index, ev.index))
+                spans[key] = (min(lo, ev.index), max(hi, ev.index))
+        return spans
+
+    def unit_params(self) -> dict[str, list[Entry]]:
+        out: dict[str, list[Entry]] = {u: [] for u in ("", *self.units)}
+        for p in self.params:
+            out[unit_of(p.name, self.units)].append(p)
+        return {u: ps for u, ps in out.items() if ps}
+
+    def held(self, e: Entry, like: Entry, rank: int, *, real: bool = False) -> int:
+        """Elements of ``e`` held on ``rank``, sharded the way its parameter ``like`` is."""
+        if e.numel != like.numel:  # scalar step counters and other non-full-length state: kept whole
+            return e.numel
+        held, actual = shard_rows(like.numel, like.shape, self.plan.shard_size, rank, self.plan.partition)
+        return actual if real else held
+
+    # --- one rank ---
+
+    def rank_ledger(self, rank: int) -> Ledger:
+        plan, srank = self.plan, rank % self.plan.shard_size
+        out: list[Entry] = []
+        opt_full = opt_kept = 0
+        for e in self.ledger.entries:
+            cat = e.category
+            if cat == Category.OPTIMIZER and plan.shard_optimizer:
+                p = self.param_of(e)
+                opt_full += e.nbytes
+                if plan.partition == "greedy" and p is not None and p.name in self.owner:
+                    if self.owner[p.name] != srank:
+                        continue
+                    out.append(e)
+                else:  # FSDP2's optimizer sees the unpadded local shard; DeepSpeed's partitions are padded
+                    like = p if p is not None else e
+                    out.append(_resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
+                opt_kept += out[-1].nbytes
+            elif cat == Category.GRADIENTS and plan.shard_grads:
+                out.extend(self._sharded_grad(e, srank))
+            elif plan.shard_params and (cat == Category.WEIGHTS or _shardable_frozen(e)):
+                out.append(_resized(e, self.held(e, e, srank), role_suffix=""))
+            else:
+                out.append(e)
+        if opt_full and opt_kept != opt_full and self.traced:
+            out = self._scale_optimizer_workspace(out, opt_kept, opt_full)
+        out.extend(self._buffers(srank))
+        if plan.shard_params:
+            out.extend(self._gathered(srank))
+        notes = [f"rank {rank} of {self.config.world_size}, {plan.label}: predicted by the sharding transform"]
+        return self.ledger.with_entries(
+            out,
+            notes=(*self.ledger.notes, *notes),
+            meta={**self.ledger.meta, "rank": rank, "world_size": self.config.world_size},
+        )
+
+    def _sharded_grad(self, e: Entry, srank: int) -> list[Entry]:
+        p = self.param_of(e)
+        like = p if p is not None else e
+        shard_numel = self.held(e, like, srank)
+        if not self.traced:
+            return [_resized(e, shard_numel)]
+        if self.plan.buffers == "fsdp":
+            # FSDP2: the unsharded gradient lives until its unit's post-backward, which copies it into the
+            # reduce-scatter input; the sharded output then lives until zero_grad.
+            unit = unit_of(like.name, self.units)
+            span = self.spans.get((unit, "backward"))
+            done = (span[1] + 1) if span else (e.alloc_event or 0) + 1
+        else:  # DeepSpeed copies each gradient into the reduce bucket as soon as it is produced
+            done = (e.alloc_event or 0) + 1
+        start = e.alloc_event if e.alloc_event is not None else 0
+        done = max(start, min(done, e.free_event if e.free_event is not None else self.ledger.num_events))
+        full = replace(e, free_event=done)
+        part = replace(
+            _resized(e, shard_numel), name=f"{e.name} (shard)", alloc_event=done, role=e.role, last_use_event=None
+        )
+        return [full, part]
+
+    def _scale_optimizer_workspace(self, out: list[Entry], kept: int, full: int) -> list[Entry]:
+        """Temporaries of the optimizer step (foreach buffers) scale with the state a rank updates."""
+        phases = [ev.phase for ev in self.ledger.events]
+        scaled = []
+        for e in out:
+            if e.category == Category.WORKSPACE and e.alloc_event is not None and phases[e.alloc_event] == "optimizer":
+                nbytes = e.nbytes * kept // full
+                e = replace(e, nbytes=nbytes, numel=e.numel * kept // full)
+            scaled.append(e)
+        return scaled
+
+    def _grad_dtype_bytes(self) -> tuple[str, int]:
+        grads = [e for e in self.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]
+        ref = grads[0] if grads else (self.params[0] if self.params else None)
+        dtype = ref.dtype if ref is not None else "float32"
+        return dtype, dtype_bytes(dtype)
+
+    def _buffers(self, srank: int) -> list[Entry]:
+        """Communication buffers that exist for the whole step (DDP buckets, DeepSpeed's reduce bucket)
+        and, for FSDP on a traced step, the per-unit reduce-scatter inputs."""
+        plan = self.plan
+        trainable = [p for p in self.params if p.category == Category.WEIGHTS]
+        if not trainable or (self.config.world_size == 1 and plan.buffers != "ddp"):
+            return []
+        dtype, size = self._grad_dtype_bytes()
+        numel = sum(p.numel for p in trainable)
+        if plan.buffers == "ddp":
+            # DDP's buckets hold a copy of every gradient (gradient_as_bucket_view=False, the default)
+            return self._state_only([_buffer("DDP gradient buckets", "ddp_bucket", dtype, numel, size)])
+        if plan.buffers == "bucket":
+            n = min(numel, self.config.reduce_bucket_numel)
+            return self._state_only([_buffer("reduce bucket", "reduce_bucket", dtype, n, size)])
+        if not self.traced:
+            return []
+        out = []
+        for unit, ps in self.unit_params().items():
+            span = self.spans.get((unit, "backward"))
+            ps = [p for p in ps if p.category == Category.WEIGHTS]
+            if span is None or not ps:
+                continue
+            n = sum(shard_rows(p.numel, p.shape, plan.shard_size, srank, "dim0")[0] for p in ps) * plan.shard_size
+            out.append(
+                _buffer(f"reduce-scatter input {unit or '<root>'}", "reduce_scatter_input", dtype, n, size, span[1])
+            )
+        return out
+
+    def _state_only(self, buffers: list[Entry]) -> list[Entry]:
+        """Buffers are part of a traced step; a single-instant ledger of model state names them instead."""
+        if self.traced:
+            return buffers
+        for b in buffers:
+            self.notes.append(f"excluded: {b.name} {b.nbytes:,} bytes per rank (communication buffer)")
+        return []
+
+    def _gathered(self, srank: int) -> list[Entry]:
+        """Parameters gathered for each unit while it runs (stage 3, FSDP)."""
+        plan, n = self.plan, self.plan.shard_size
+        groups = self.unit_params()
+        if not self.traced:
+            largest = max(groups.values(), key=lambda ps: sum(p.nbytes for p in ps))
+            self.notes.append(
+                "excluded: parameters gathered for the running unit (stage 3/FSDP), up to "
+                f"{sum(p.nbytes for p in largest):,} bytes for the largest unit (the whole model when no "
+                "units are known; DeepSpeed caps it with stage3_max_live_parameters)"
+            )
+            return []
+        out: list[Entry] = []
+        forward = [u for u in _order(self.spans, "forward") if u in groups]
+        backward = [u for u in _order(self.spans, "backward") if u in groups]
+        for unit, ps in groups.items():
+            if plan.partition == "dim0":
+                full = {p.name: shard_rows(p.numel, p.shape, n, srank, "dim0")[0] * n for p in ps}
+            else:
+                full = {p.name: p.numel for p in ps}
+            by_dtype: dict[str, int] = {}
+            for p in ps:
+                by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + full[p.name]
+            windows = self._windows(unit, forward, backward)
+            for phase, (start, stop) in windows:
+                for dtype, numel in by_dtype.items():
+                    size = dtype_bytes(dtype)
+                    label = unit or "<root>"
+                    out.append(_gathered_entry(f"gathered params {label} ({phase})", dtype, numel, size, start, stop))
+                    if plan.buffers == "fsdp":  # the flat all-gather output, copied out then freed
+                        name = f"all-gather output {label} ({phase})"
+                        out.append(_buffer(name, "all_gather_output", dtype, numel, size, start))
+        return out
+
+    def _windows(self, unit: str, forward: list[str], backward: list[str]) -> list[tuple[str, tuple[int, int]]]:
+        """When a unit's gathered parameters are live: ``(phase, (alloc, free))``."""
+        cfg = self.config
+        fwd, bwd = self.spans.get((unit, "forward")), self.spans.get((unit, "backward"))
+
+        def start(order: list[str], phase: str, depth: int) -> int:
+            i = order.index(unit)
+            earlier = order[max(0, i - depth)]
+            return min(self.spans[(earlier, phase)][0], self.spans[(unit, phase)][0])
+
+        out: list[tuple[str, tuple[int, int]]] = []
+        if fwd is not None:
+            f0 = start(forward, "forward", cfg.forward_prefetch)
+            if self.plan.regather_backward or bwd is None:
+                out.append(("forward", (f0, fwd[1] + 1)))
+            else:  # SHARD_GRAD_OP: kept gathered from forward to the end of the unit's backward
+                out.append(("forward to backward", (f0, bwd[1] + 1)))
+        if bwd is not None and (self.plan.regather_backward or fwd is None):
+            out.append(("backward", (start(backward, "backward", cfg.backward_prefetch), bwd[1] + 1)))
+        return out
+
+    # --- collectives ---
+
+    def collectives(self) -> list[Collective]:
+        plan, cfg = self.plan, self.config
+        n = plan.shard_size
+        trainable = [p for p in self.params if p.category == Category.WEIGHTS]
+        gdtype, gsize = self._grad_dtype_bytes()
+        if cfg.world_size == 1:
+            return []
+        if plan.buffers in ("ddp", "bucket"):
+            grad_numel = sum(p.numel for p in trainable)
+            if plan.partition == "flat" and plan.shard_optimizer:
+                grad_numel = -(-grad_numel // n) * n  # padded to equal partitions
+            bucket = cfg.ddp_bucket_bytes if plan.buffers == "ddp" else cfg.reduce_bucket_numel * gsize
+            calls = max(1, -(-grad_numel * gsize // bucket))
+            kind = "all_reduce" if not plan.shard_optimizer or plan.buffers == "ddp" else "reduce_scatter"
+            out = [Collective(kind, "backward", "gradients", grad_numel * gsize, n, calls)]
+            if plan.shard_optimizer and not plan.shard_params:
+                if plan.partition == "greedy":  # each owner broadcasts its updated parameters
+                    w = sum(p.nbytes for p in trainable)
+                    label = "parameters from their owners"
+                    out.append(Collective("broadcast", "optimizer", label, w, n, len(trainable)))
+                else:
+                    w = -(-sum(p.numel for p in trainable) // n) * n * dtype_bytes(trainable[0].dtype)
+                    out.append(Collective("all_gather", "optimizer", "updated parameters", w, n))
+            if plan.shard_params:  # DeepSpeed stage 3: gathers in forward and backward
+                w = sum(p.nbytes for p in self.params)
+                out.insert(0, Collective("all_gather", "forward", "parameters", w, n))
+                out.insert(1, Collective("all_gather", "backward", "parameters", w, n))
+            return out
+        out = []
+        groups = self.unit_params()
+        names = list(groups)
+        if self.traced:
+            fwd_order = [u for u in _order(self.spans, "forward") if u in groups]
+            names = fwd_order + [u for u in names if u not in fwd_order]
+        for phase in ("forward", "backward"):
+            order = names if phase == "forward" else names[::-1]
+            for unit in order:
+                ps = groups[unit]
+                label = unit or "<root>"
+                if phase == "forward" or plan.regather_backward:
+                    if phase == "forward" or not self.traced or (unit, "backward") in self.spans:
+                        w = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n * dtype_bytes(p.dtype) for p in ps)
+                        out.append(Collective("all_gather", phase, f"params of {label}", w, n))
+                if phase == "backward":
+                    tr = [p for p in ps if p.category == Category.WEIGHTS]
+                    if not tr:
+                        continue
+                    g = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n for p in tr) * gsize
+                    out.append(Collective("reduce_scatter", "backward", f"grads of {label}", g, n))
+                    if plan.replicas > 1:
+                        label = f"grad shards of {label}"
+                        out.append(Collective("all_reduce", "backward", label, g // n, plan.replicas))
+        return out
+
+
+def _order(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[str]:
+    """Units in the order they start in ``phase`` (the root first: its hooks run before its children's)."""
+    units = [(span[0], unit != "", unit) for (unit, ph), span in spans.items() if ph == phase]
+    return [u for _, _, u in sorted(units)]
+
+
+def _resized(e: Entry, numel: int, role_suffix: str = "") -> Entry:
+    size = e.nbytes // e.numel if e.numel else dtype_bytes(e.dtype)
+    shape = () if numel != e.numel else e.shape
+    return replace(e, numel=numel, nbytes=numel * size, shape=shape, role=e.role + role_suffix)
+
+
+def _buffer(name: str, role: str, dtype: str, numel: int, size: int, at: int | None = None) -> Entry:
+    """A communication buffer: persistent (``at=None``) or live for the one event ``at``."""
+    return Entry(
+        name=name,
+        category=Category.COMMUNICATION,
+        role=role,
+        dtype=dtype,
+        numel=numel,
+        nbytes=numel * size,
+        owner="shard",
+        alloc_event=at,
+        free_event=None if at is None else at + 1,
+        evidence=Evidence.ANALYTIC,
+    )
+
+
+def _gathered_entry(name: str, dtype: str, numel: int, size: int, start: int, stop: int) -> Entry:
+    return Entry(
+        name=name,
+        category=Category.WEIGHTS,
+        role="gathered",
+        dtype=dtype,
+        numel=numel,
+        nbytes=numel * size,
+        owner="shard",
+        alloc_event=start,
+        free_event=stop,
+        evidence=Evidence.ANALYTIC,
+    )

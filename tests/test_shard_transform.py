@@ -1,0 +1,256 @@
+"""The sharding transform and communication model, checked against hand arithmetic and the ZeRO paper."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainledger.declared import StateSpec, declared_ledger
+from trainledger.errors import InputError
+from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
+from trainledger.shard import (
+    Collective,
+    ShardConfig,
+    estimate_time,
+    greedy_owners,
+    infer_units,
+    parse_strategy,
+    shard,
+    shard_rows,
+    wire_bytes,
+)
+
+PSI = 7_500_000_000
+GB = 10**9
+
+
+def paper_ledger() -> Ledger:
+    """Rajbhandari et al. 2019, Fig. 1: 7.5B parameters, mixed-precision Adam (K = 12)."""
+    return declared_ledger(StateSpec(num_params=PSI, weights="fp16", master="fp32", moments="fp32", grads="fp16"))
+
+
+@pytest.mark.parametrize(
+    ("stage", "expected"),
+    [
+        (0, 16 * PSI),  # (2 + 2 + K) Ψ = 120 GB
+        (1, 2 * PSI + 2 * PSI + 12 * PSI // 64),  # 31.4 GB
+        (2, 2 * PSI + (2 + 12) * PSI // 64),  # 16.6 GB
+        (3, 16 * PSI // 64),  # 1.9 GB
+    ],
+)
+def test_zero_paper_model_states(stage, expected):
+    res = shard(paper_ledger(), world_size=64, strategy=f"zero{stage}")
+    assert res.model_state_bytes() == expected
+    assert round(res.model_state_bytes() / GB, 1) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}[stage]
+    # a single instant of state: no peak claimed, and what is left out is named
+    assert any("excluded" in n for n in res.ranks[0].notes)
+
+
+def test_zero_paper_communication_volumes():
+    """§7: DP and stages 1–2 move 2Ψ per rank, stage 3 moves 3Ψ (in fp16 elements, ring algorithms)."""
+    led = paper_ledger()
+    n = 64
+    for stage, factor in ((0, 2), (1, 2), (2, 2), (3, 3)):
+        res = shard(led, world_size=n, strategy=f"zero{stage}")
+        wire = sum(c.wire_bytes for c in res.collectives)
+        assert wire == round(factor * 2 * PSI * (n - 1) / n), stage
+
+
+def test_wire_bytes_formulas():
+    assert wire_bytes("all_reduce", 1000, 4) == 1500  # 2(N-1)/N
+    assert wire_bytes("reduce_scatter", 1000, 4) == 750
+    assert wire_bytes("all_gather", 1000, 4) == 750
+    assert wire_bytes("all_reduce", 1000, 1) == 0
+    with pytest.raises(InputError, match="unknown collective"):
+        wire_bytes("all_to_all", 1, 2)  # type: ignore[arg-type]
+
+
+def test_shard_rows_padding():
+    # 10 rows over 4 ranks: chunks of 3 rows, the last rank has 1 real row, all hold 3 (padded)
+    assert [shard_rows(20, (10, 2), 4, r, "dim0") for r in range(4)] == [(6, 6), (6, 6), (6, 6), (6, 2)]
+    # 2 rows over 4 ranks: ranks 2 and 3 hold padding only
+    assert [shard_rows(6, (2, 3), 4, r, "dim0") for r in range(4)] == [(3, 3), (3, 3), (3, 0), (3, 0)]
+    assert [shard_rows(10, (10,), 4, r, "flat") for r in range(4)] == [(3, 3), (3, 3), (3, 3), (3, 1)]
+
+
+def test_greedy_partition_matches_torch_rule():
+    # largest first, ties in order, to the least-loaded (lowest) rank
+    assert greedy_owners([4, 4, 2, 1, 1], 2) == [0, 1, 0, 1, 1]
+    assert greedy_owners([1, 1, 1], 4) == [0, 1, 2]
+
+
+def test_infer_units_and_parse_strategy():
+    names = ["wte.weight", "blocks.0.attn.w", "blocks.0.mlp.w", "blocks.1.attn.w", "blocks.10.x", "ln.w"]
+    assert infer_units(names) == ("blocks.0", "blocks.1", "blocks.10")
+    assert infer_units(["a.weight", "b.weight"]) == ()
+    assert parse_strategy(0) == "zero0" and parse_strategy("SHARD_GRAD_OP") == "shard_grad_op"
+    with pytest.raises(InputError, match="unknown stage '4'"):
+        parse_strategy("4")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"world_size": 0}, "--world 0"),
+        ({"world_size": 4, "strategy": "zero9"}, "unknown strategy"),
+        ({"world_size": 4, "engine": "megatron"}, "unknown engine"),
+        ({"world_size": 6, "strategy": "hybrid_shard", "num_nodes": 4}, "--nodes 4"),
+        ({"world_size": 2, "backward_prefetch": -1}, "prefetch"),
+    ],
+)
+def test_bad_config(kwargs, fragment):
+    with pytest.raises(InputError, match=fragment):
+        ShardConfig(**kwargs)
+
+
+# --- a hand-built traced step: two units plus a root ------------------------------------------------
+
+
+def _traced() -> Ledger:
+    """Root param r (4 rows × 2, fp32); unit h.0 param a (5×2), unit h.1 param b (6×2); Adam moments.
+
+    Events: 0 root fwd, 1–2 h.0 fwd, 3–4 h.1 fwd, 5–6 h.1 bwd, 7–8 h.0 bwd, 9 root bwd, 10 optimizer.
+    An activation of 100 bytes is live over [1, 8).
+    """
+    mods = ["", "h.0", "h.0", "h.1", "h.1", "h.1", "h.1", "h.0", "h.0", "", ""]
+    phases = ["forward"] * 5 + ["backward"] * 5 + ["optimizer"]
+    events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
+    entries = []
+    for name, rows in (("r", 4), ("h.0.a", 5), ("h.1.b", 6)):
+        n = rows * 2
+        entries.append(Entry(name, Category.WEIGHTS, "param", "float32", n, 4 * n, shape=(rows, 2)))
+        for role in ("exp_avg", "exp_avg_sq"):
+            entries.append(Entry(f"optimizer.{name}.{role}", Category.OPTIMIZER, role, "float32", n, 4 * n))
+        entries.append(Entry(f"optimizer.{name}.step", Category.OPTIMIZER, "step", "float32", 1, 4))
+    # gradients: produced in backward by their unit, freed at zero_grad (after the step: None)
+    for name, rows, born in (("h.1.b", 6, 5), ("h.0.a", 5, 7), ("r", 4, 9)):
+        n = rows * 2
+        entries.append(Entry(f"{name}.grad", Category.GRADIENTS, "grad", "float32", n, 4 * n, alloc_event=born))
+    entries.append(Entry("act", Category.ACTIVATIONS, "saved", "float32", 25, 100, alloc_event=1, free_event=8))
+    return Ledger(tuple(entries), events, evidence=Evidence.TRACED)
+
+
+def test_traced_units_found_from_events():
+    res = shard(_traced(), world_size=2, strategy="full_shard")
+    assert res.units == ("h.0", "h.1")
+
+
+def test_full_shard_timeline_by_hand():
+    """World 2, FSDP2 per-parameter dim-0 shards: r 2 rows, a 3 rows (rank 1: 2 real), b 3 rows."""
+    led = _traced()
+    res = shard(led, world_size=2, strategy="full_shard", backward_prefetch=1)
+    r0, r1 = res.ranks
+    # persistent sharded weights (padded): (2 + 3 + 3) rows × 2 × 4 bytes on both ranks
+    w0 = sum(e.nbytes for e in r0.entries if e.category == Category.WEIGHTS and e.role == "param")
+    assert (
+        w0
+        == (2 + 3 + 3) * 8
+        == sum(e.nbytes for e in r1.entries if e.category == Category.WEIGHTS and e.role == "param")
+    )
+    # optimizer state holds the real (unpadded) rows: rank 1 has 2 rows of a, 3 of b, 2 of r
+    opt1 = sum(e.nbytes for e in r1.entries if e.category == Category.OPTIMIZER)
+    assert opt1 == 2 * (2 + 2 + 3) * 8 + 3 * 4
+    # gathered params of h.0 in forward: events 1–2; padded full size 3 rows × 2 ranks × 8 bytes
+    g = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.role == "gathered"}
+    assert g["gathered params h.0 (forward)"] == (1, 3, 48)
+    assert g["gathered params h.1 (forward)"] == (3, 5, 48)
+    assert g["gathered params <root> (forward)"] == (0, 5, 32)
+    # backward order: root, h.1, h.0; with prefetch 1, h.0 is gathered when h.1's backward starts
+    assert g["gathered params h.1 (backward)"] == (5, 7, 48)
+    assert g["gathered params h.0 (backward)"] == (5, 9, 48)
+    assert g["gathered params <root> (backward)"] == (5, 10, 32)
+    # h.1's full gradient (48 bytes) lives until its post-backward (after event 6), then its shard
+    grads = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.category == Category.GRADIENTS}
+    assert grads["h.1.b.grad"] == (5, 7, 48) and grads["h.1.b.grad (shard)"] == (7, None, 24)
+    # the timeline at event 6 (h.1 backward, h.0 prefetched), by hand:
+    expected = (
+        (2 + 3 + 3) * 8  # sharded weights
+        + 2 * (2 + 3 + 3) * 8
+        + 3 * 4  # rank 0's moments and step counters
+        + 48
+        + 48
+        + 32  # gathered h.1, h.0 (prefetched), root
+        + 48  # h.1's full gradient
+        + 48  # reduce-scatter input of h.1 (its post-backward is at event 6)
+        + 100  # the activation
+    )
+    assert r0.totals()[6] == expected
+
+
+def test_shard_grad_op_keeps_params_from_forward_to_backward():
+    res = shard(_traced(), world_size=2, strategy="shard_grad_op")
+    g = {e.name: (e.alloc_event, e.free_event) for e in res.ranks[0].entries if e.role == "gathered"}
+    assert g["gathered params h.0 (forward to backward)"] == (1, 9)
+    assert not any("(backward)" in k for k in g)
+    kinds = [(c.kind, c.phase) for c in res.collectives]
+    assert kinds.count(("all_gather", "forward")) == 3 and ("all_gather", "backward") not in kinds
+
+
+def test_fsdp_collectives_per_unit():
+    res = shard(_traced(), world_size=2, strategy="full_shard")
+    ag = [(c.phase, c.label, c.payload_bytes) for c in res.collectives if c.kind == "all_gather"]
+    assert ag[:3] == [
+        ("forward", "params of <root>", 32),
+        ("forward", "params of h.0", 48),
+        ("forward", "params of h.1", 48),
+    ]
+    assert len(ag) == 6  # FULL_SHARD gathers again for backward
+    rs = {c.label: c.payload_bytes for c in res.collectives if c.kind == "reduce_scatter"}
+    assert rs == {"grads of h.1": 48, "grads of h.0": 48, "grads of <root>": 32}
+
+
+def test_hybrid_shard_adds_cross_node_all_reduce():
+    res = shard(_traced(), world_size=4, strategy="hybrid_shard", num_nodes=2)
+    ar = [c for c in res.collectives if c.kind == "all_reduce"]
+    assert ar and all(c.group_size == 2 for c in ar)
+    # shards within a node of 2: the same per-rank weights as full_shard on 2 ranks
+    full2 = shard(_traced(), world_size=2, strategy="full_shard")
+    assert res.ranks[3].peak().bytes == full2.ranks[1].peak().bytes
+
+
+def test_torch_zero1_greedy_optimizer_partition():
+    res = shard(_traced(), world_size=2, strategy="zero1", engine="torch")
+    # sizes 8 (r), 10 (a), 12 (b): b → rank 0, a → rank 1, r → rank 1
+    owned = [sorted({e.name.split(".")[1] for e in r.entries if e.category == Category.OPTIMIZER}) for r in res.ranks]
+    assert owned == [["h"], ["h", "r"]]
+    opt = [sum(e.nbytes for e in r.entries if e.category == Category.OPTIMIZER) for r in res.ranks]
+    assert opt == [2 * 48 + 4, 2 * (40 + 32) + 8]
+    # DDP's buckets copy every gradient: 120 bytes of communication buffers, live the whole step
+    comm = [e for e in res.ranks[0].entries if e.category == Category.COMMUNICATION]
+    assert [(e.nbytes, e.alloc_event) for e in comm] == [(120, None)]
+    kinds = {c.kind: c.payload_bytes for c in res.collectives}
+    assert kinds == {"all_reduce": 120, "broadcast": 120}
+
+
+def test_world_one_is_the_input():
+    led = _traced()
+    res = shard(led, world_size=1, strategy="zero0")
+    assert res.ranks[0].peak().bytes == led.peak().bytes and res.collectives == ()
+
+
+def test_frozen_weights_sharded_but_never_reduced():
+    base = declared_ledger(StateSpec(num_params=1000, weights="bf16", frozen_params=4000))
+    res = shard(base, world_size=4, strategy="zero3")
+    frozen = sum(e.nbytes for e in res.ranks[0].entries if e.category == Category.FROZEN)
+    assert frozen == 4000 * 2 // 4
+    rs = [c for c in res.collectives if c.kind == "reduce_scatter"]
+    assert sum(c.payload_bytes for c in rs) == 1000 * 2  # gradients of trainable weights only
+    assert shard(base, world_size=4, strategy="zero2").model_state_bytes() > res.model_state_bytes()
+
+
+def test_time_estimate_and_exposure():
+    cs = [
+        Collective("all_gather", "forward", "u0", 10**9, 2),
+        Collective("all_gather", "forward", "u1", 10**9, 2),
+        Collective("reduce_scatter", "backward", "u1", 2 * 10**9, 2),
+    ]
+    # 8 Gbit/s = 1e9 bytes/s; wire bytes: 0.5e9, 0.5e9, 1e9
+    t = estimate_time(cs, link_gbps=8.0, compute_seconds={"forward": 10.0, "backward": 10.0})
+    assert t.total_seconds == pytest.approx(2.0)
+    # forward exposes its first gather (0.5 s), backward its last reduce-scatter (1 s)
+    assert t.exposed_seconds == pytest.approx(1.5)
+    slow = estimate_time(cs, link_gbps=8.0, compute_seconds={"forward": 0.1, "backward": 0.0})
+    # forward: first gather 0.5 s + the rest (0.5 s) beyond 0.1 s of compute = 0.9 s; backward all 1 s
+    assert slow.exposed_seconds == pytest.approx(1.9)
+    assert estimate_time(cs, link_gbps=8.0).exposed_seconds == pytest.approx(2.0)
+    with pytest.raises(InputError, match="--link-gbps"):
+        estimate_time(cs, link_gbps=0)
