@@ -38,7 +38,7 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Owner:
+class Owner:
     name: str
     category: Category
     role: str
@@ -51,7 +51,7 @@ class _Collector:
         self.entries: list[Entry] = []
         self._index: dict[int, int] = {}
 
-    def add(self, t: torch.Tensor, owner: _Owner, evidence: Evidence = Evidence.INVENTORIED) -> None:
+    def add(self, t: torch.Tensor, owner: Owner, evidence: Evidence = Evidence.INVENTORIED) -> None:
         key = storage_key(t)
         if key in self._index:
             i = self._index[key]
@@ -95,9 +95,6 @@ class _Collector:
             )
         )
 
-    def seen(self, t: torch.Tensor) -> bool:
-        return storage_key(t) in self._index
-
 
 def inventory(
     model: nn.Module,
@@ -124,25 +121,13 @@ def inventory(
         (64, 64)
     """
     col = _Collector()
-    names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-        trainable = p.requires_grad
-        col.add(p, _Owner(name, Category.WEIGHTS if trainable else Category.FROZEN, "param"))
-    for name, b in model.named_buffers(remove_duplicate=False):
-        col.add(b, _Owner(name, Category.OTHER, "buffer"))
-    if reference is not None:
-        for name, p in reference.named_parameters(remove_duplicate=False):
-            if not col.seen(p):
-                col.add(p, _Owner(f"reference.{name}", Category.FROZEN, "reference"))
-        for name, b in reference.named_buffers(remove_duplicate=False):
-            col.add(b, _Owner(f"reference.{name}", Category.OTHER, "buffer"))
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            col.add(p.grad, _Owner(f"{name}.grad", Category.GRADIENTS, "grad"))
+    for t, owner in iter_state(model, optimizer, reference=reference):
+        col.add(t, owner)
     notes = [EXCLUDED_NOTE]
     if optimizer is not None:
-        notes += _inventory_optimizer(col, model, optimizer, names)
+        missing = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+        if missing:
+            notes += _declare_missing_state(col, model, optimizer, missing)
     evidence = weakest_evidence(e.evidence for e in col.entries) if col.entries else Evidence.INVENTORIED
     devices = Counter(e.device for e in col.entries)
     return Ledger(
@@ -154,36 +139,50 @@ def inventory(
     )
 
 
-def _inventory_optimizer(
-    col: _Collector, model: nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]
-) -> list[str]:
-    notes: list[str] = []
-    model_keys = {storage_key(p) for p in model.parameters()}
-    masters = _match_masters(model, optimizer, model_keys)
-    missing: list[nn.Parameter] = []
+def iter_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, reference: nn.Module | None = None
+) -> Iterator[tuple[torch.Tensor, Owner]]:
+    """Every persistent tensor with its name, category and role, in a stable order.
+
+    Parameters and buffers of the model (``requires_grad=False`` → ``frozen``), the reference model's
+    weights (``frozen``), existing gradients, master copies held by the optimizer and their gradients,
+    and every optimizer state tensor (role = its state key). The same storage may be yielded under
+    several names (tied weights); consumers count it once.
+    """
+    for name, p in model.named_parameters(remove_duplicate=False):
+        yield p, Owner(name, Category.WEIGHTS if p.requires_grad else Category.FROZEN, "param")
+    for name, b in model.named_buffers(remove_duplicate=False):
+        yield b, Owner(name, Category.OTHER, "buffer")
+    if reference is not None:
+        for name, p in reference.named_parameters(remove_duplicate=False):
+            yield p, Owner(f"reference.{name}", Category.FROZEN, "reference")
+        for name, b in reference.named_buffers(remove_duplicate=False):
+            yield b, Owner(f"reference.{name}", Category.OTHER, "buffer")
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            yield p.grad, Owner(f"{name}.grad", Category.GRADIENTS, "grad")
+    if optimizer is None:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    masters = match_masters(model, optimizer)
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if id(p) in masters:
                 label = f"{masters[id(p)]}.master"
-                col.add(p, _Owner(f"optimizer.{label}", Category.OPTIMIZER, "master"))
+                yield p, Owner(f"optimizer.{label}", Category.OPTIMIZER, "master")
                 if p.grad is not None:
-                    col.add(p.grad, _Owner(f"{label}.grad", Category.GRADIENTS, "master_grad"))
+                    yield p.grad, Owner(f"{label}.grad", Category.GRADIENTS, "master_grad")
             else:
                 label = names.get(id(p), f"group{gi}.param{pi}")
-            state = optimizer.state.get(p, {})
-            if not state:
-                missing.append(p)
-            for key, value in state.items():
+            for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    col.add(value, _Owner(f"optimizer.{label}.{key}", Category.OPTIMIZER, key))
-    if missing:
-        notes += _declare_missing_state(col, optimizer, missing, names, masters)
-    return notes
+                    yield value, Owner(f"optimizer.{label}.{key}", Category.OPTIMIZER, key)
 
 
-def _match_masters(model: nn.Module, optimizer: torch.optim.Optimizer, model_keys: set[int]) -> dict[int, str]:
+def match_masters(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """Optimizer parameters that are not model parameters, matched in order to a lower-precision
     model weight of the same shape: those are master copies. Returns ``id(master) -> weight name``."""
+    model_keys = {storage_key(p) for p in model.parameters()}
     pool = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     used: set[str] = set()
     out: dict[int, str] = {}
@@ -200,12 +199,10 @@ def _match_masters(model: nn.Module, optimizer: torch.optim.Optimizer, model_key
 
 
 def _declare_missing_state(
-    col: _Collector,
-    optimizer: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    names: dict[int, str],
-    masters: dict[int, str],
+    col: _Collector, model: nn.Module, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
 ) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    masters = match_masters(model, optimizer)
     layout = declared_state_layout(optimizer, params)
     if layout is None:
         return [

@@ -8,6 +8,7 @@ forward, loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -140,6 +141,23 @@ def _autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     device = next(workload.model.parameters()).device.type
     return torch.autocast(device_type=device, dtype=workload.autocast_dtype)
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """Collect garbage first, then keep the cyclic collector paused for the duration.
+
+    Garbage from earlier steps freed by the collector at a random moment inside a traced or measured
+    step would otherwise show up (or not) in the allocator's counts; pausing it makes both repeatable.
+    """
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def count_autograd_nodes(loss: torch.Tensor) -> int:

@@ -1,0 +1,139 @@
+"""Trace one training step: every storage's lifetime on the event clock, and the true simultaneous peak.
+
+Example:
+    >>> from trainledger.examples import gpt_tiny
+    >>> led = trace(gpt_tiny())
+    >>> led.evidence.value, led.peak().phase in ("forward", "backward", "optimizer")
+    ('traced', True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+from trainledger.errors import InputError
+from trainledger.inventory import iter_state
+from trainledger.ledger import Category, Evidence, Ledger
+from trainledger.trace._fake import fake_workload
+from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
+from trainledger.trace._tracer import ProgressFn, StepTracer
+from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
+
+__all__ = ["trace"]
+
+LIMITATIONS = (
+    "traced bytes are tensor storages as the allocator is asked for them; excluded: memory kernels "
+    "allocate and free internally (see `--measure`), allocator rounding, caching and fragmentation, "
+    "Python and autograd graph objects"
+)
+
+
+def trace(workload: Workload, *, fake: bool = False, progress: ProgressFn | None = None) -> Ledger:
+    """Trace one steady-state training step of ``workload`` (evidence ``traced``).
+
+    A warm-up step runs first, so lazily created optimizer state exists; then one step is traced:
+    forward, loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Every
+    dispatched op is an event with its phase, op name and module (in backward: the module whose
+    gradient is being computed). Every storage allocated during the step is an entry with its
+    allocation and free events; tensors that existed before and take part are entries alive from
+    before the step.
+
+    Arguments:
+        workload: the step's ingredients.
+        fake: run under ``FakeTensorMode``: same ops and shapes, nothing allocated. The model's
+            parameters are swapped for fake ones during the trace and restored afterwards.
+        progress: called as ``progress(phase, num_events)`` every thousand events.
+
+    Returns:
+        The traced ledger; ``meta`` holds the model name, events per phase and the traced step's time.
+    """
+    if fake:
+        with fake_workload(workload) as (twin, mode), mode:
+            try:
+                ledger = _trace(twin, progress)
+            except InputError as exc:
+                if "DynamicOutputShape" in str(exc) or "DataDependentOutput" in str(exc):
+                    raise InputError(
+                        f"the step has data-dependent shapes, which fake tensors cannot run ({exc}); "
+                        "trace it without --fake"
+                    ) from exc
+                raise
+        return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True})
+    return _trace(workload, progress)
+
+
+def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
+    model, reference = workload.model, workload.reference
+    optimizer = workload.get_optimizer()
+    with _user_errors("the warm-up step"):
+        run_step(workload)
+
+    roots = [("", model)] + ([("reference", reference)] if reference is not None else [])
+    scopes = ModuleScopes(roots)
+    tracer = StepTracer(scopes, progress=progress)
+    for t, owner in iter_state(model, optimizer, reference=reference):
+        tracer.known(t, owner.name, owner.category, owner.role)
+    for i, t in enumerate(iter_tensors(workload.batch)):
+        tracer.known(t, f"batch[{i}]", Category.INPUTS, "batch")
+
+    def on_phase(phase: str) -> None:
+        if phase == "optimizer":  # gradients exist now: name them before the optimizer runs
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{name}.grad")
+        elif phase in ("zero_grad", "end"):  # masters' gradients and any state the step created
+            _mark_optimizer_outputs(tracer, model, optimizer)
+        if phase != "end":
+            tracer.phase = phase
+
+    start = time.perf_counter()
+    scopes.open()
+    try:
+        with quiet_gc(), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
+            with _user_errors("the traced step"):
+                run_step(workload, on_phase=on_phase, on_loss=lambda loss: label_graph(loss, LOSS_SCOPE))
+    finally:
+        scopes.close()
+        tracer.stop()
+    seconds = time.perf_counter() - start
+    if not tracer.events:
+        raise InputError("the step dispatched no tensor operations; nothing to trace")
+
+    entries = tracer.entries()
+    devices = Counter(e.device for e in entries if e.category in (Category.WEIGHTS, Category.ACTIVATIONS))
+    return Ledger(
+        tuple(entries),
+        tuple(tracer.events),
+        evidence=Evidence.TRACED,
+        device=devices.most_common(1)[0][0] if devices else "cpu",
+        notes=(LIMITATIONS,),
+        meta={
+            "model": workload.name,
+            "events_per_phase": dict(Counter(ev.phase for ev in tracer.events)),
+            "traced_step_seconds": seconds,
+            "optimizer": type(optimizer).__name__,
+        },
+    )
+
+
+def _mark_optimizer_outputs(tracer: StepTracer, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for t, owner in iter_state(model, optimizer):
+        if owner.category in (Category.OPTIMIZER, Category.GRADIENTS):
+            tracer.mark(t, owner.category, owner.role, owner.name)
+
+
+@contextlib.contextmanager
+def _user_errors(what: str) -> Iterator[None]:
+    """Errors raised by the user's model, loss or optimizer become one clear line."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:300]
+        raise InputError(f"{what} raised {type(exc).__name__}: {message}") from exc
