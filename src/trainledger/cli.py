@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from trainledger import __version__
-from trainledger.commands import demo, state
+from trainledger.commands import demo, state, trace
 from trainledger.errors import InputError
 
-COMMANDS = (demo, state)
+COMMANDS = (demo, state, trace)
 
 
 class _Parser(argparse.ArgumentParser):

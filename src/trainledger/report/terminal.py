@@ -121,3 +121,43 @@ def make_console() -> Console:
 
 def print_renderables(*items: object, console: Console | None = None) -> None:
     (console or make_console()).print(Group(*items))  # type: ignore[arg-type]
+
+
+def peak_table(ledger: Ledger) -> Table:
+    """The breakdown at the peak instant beside each category's own maximum (which need not coincide)."""
+    pk = ledger.peak()
+    maxima = ledger.category_maxima()
+    table = Table(title="at the peak instant vs each category's own maximum", title_justify="left", show_footer=True)
+    table.add_column("category", footer="total")
+    table.add_column("at peak (bytes)", justify="right", footer=f"{pk.bytes:,}")
+    table.add_column("share", justify="right", footer="100%")
+    table.add_column("category maximum (bytes)", justify="right", footer=f"{sum(maxima.values()):,}")
+    order = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
+    for cat in sorted(set(pk.by_category) | set(maxima), key=lambda c: order.get(c, 99)):
+        at = pk.by_category.get(cat, 0)
+        share = f"{100 * at / pk.bytes:.1f}%" if pk.bytes else "-"
+        table.add_row(cat, f"{at:,}", share, f"{maxima.get(cat, 0):,}")
+    return table
+
+
+def largest_live_table(ledger: Ledger, *, limit: int = 10) -> Table:
+    """The largest arrays live at the peak instant, with where they came from."""
+    pk = ledger.peak()
+    live = sorted(ledger.live_at(pk.event), key=lambda e: -e.nbytes)[:limit]
+    table = Table(title=f"largest arrays live at the peak (event {pk.event})", title_justify="left")
+    for col in ("bytes", "category", "role", "dtype", "shape", "name", "module", "lifetime"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for e in live:
+        start = "before" if e.alloc_event is None else str(e.alloc_event)
+        stop = "after" if e.free_event is None else str(e.free_event)
+        table.add_row(
+            f"{e.nbytes:,}",
+            str(e.category),
+            e.role,
+            short_dtype(e.dtype),
+            "×".join(map(str, e.shape)) or "()",
+            e.name,
+            e.owner,
+            f"{start}–{stop}",
+        )
+    return table

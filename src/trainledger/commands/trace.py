@@ -1,0 +1,164 @@
+"""``trainledger trace``: trace one training step and report its true simultaneous peak."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from trainledger.commands.common import add_json_flag, add_model_flag, print_json
+from trainledger.errors import InputError
+from trainledger.ledger import Ledger
+from trainledger.report.terminal import (
+    UNITS_NOTE,
+    both_units,
+    largest_live_table,
+    make_console,
+    notes_text,
+    peak_table,
+    peak_text,
+    print_renderables,
+)
+from trainledger.workload import Workload, load_workload
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "trace",
+        help="trace one training step: every tensor's lifetime and the true simultaneous peak",
+        description="Trace one steady-state training step (after a warm-up step) tensor by tensor.",
+    )
+    add_model_flag(p)
+    p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
+    p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
+    p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png or .svg)")
+    p.add_argument("--export-memory-viz", metavar="FILE", help="write a PyTorch memory snapshot (.pickle)")
+    p.add_argument("--export-perfetto", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
+    p.add_argument("--export-json", metavar="FILE", help="write the ledger, every entry with its interval (.json)")
+    add_json_flag(p)
+    p.set_defaults(run=run)
+
+
+def workload_for(args: argparse.Namespace) -> Workload:
+    if not args.model:
+        raise InputError("give --model NAME|file.py:factory (see --help)")
+    return load_workload(args.model)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainledger.trace import trace
+
+    if args.measure and args.fake:
+        raise InputError("--measure runs the real step; it cannot be combined with --fake")
+    outputs = _check_outputs(args)
+    workload = workload_for(args)
+    err = Console(stderr=True)
+    with _progress(err, quiet=not err.is_terminal) as progress:
+        ledger = trace(workload, fake=args.fake, progress=progress)
+        measurement = None
+        if args.measure:
+            from trainledger.measure import measure
+
+            measurement = measure(workload)
+    written = [write(ledger, path, protect=_inputs(args)) for write, path in outputs]
+    if args.json:
+        out: dict[str, Any] = ledger.to_dict(entries=False)
+        out["largest_live_at_peak"] = [
+            {"name": e.name, "category": str(e.category), "role": e.role, "bytes": e.nbytes, "module": e.owner}
+            for e in sorted(ledger.live_at(ledger.peak().event), key=lambda e: -e.nbytes)[:10]
+        ]
+        if measurement is not None:
+            out["measured"] = measurement.to_dict()
+        out["written"] = [str(p) for p in written]
+        print_json(out)
+        return 0
+    render(ledger, make_console(), measurement=measurement, written=written)
+    return 0
+
+
+def render(ledger: Ledger, console: Console, *, measurement: Any = None, written: list[Path] = ()) -> None:
+    pk = ledger.peak()
+    over = ledger.sum_of_category_maxima() - pk.bytes
+    phases = ", ".join(f"{k} {v}" for k, v in ledger.meta.get("events_per_phase", {}).items())
+    lines = [
+        f"model {ledger.meta.get('model') or '?'}{' (fake tensors)' if ledger.meta.get('fake') else ''}: "
+        f"{ledger.num_events:,} events ({phases}), {len(ledger.entries):,} storages"
+    ]
+    items: list[Any] = [
+        Text("\n".join(lines)),
+        peak_text(pk, evidence=str(ledger.evidence), maxima=ledger.category_maxima(), single_instant=False),
+        peak_table(ledger),
+        Text(
+            f"summing category maxima would claim {ledger.sum_of_category_maxima():,} bytes: "
+            f"{over:,} bytes ({100 * over / max(pk.bytes, 1):.1f}%) more than was ever live at once"
+        ),
+        largest_live_table(ledger),
+    ]
+    if measurement is not None:
+        m = measurement
+        items.append(
+            Text(
+                f"measured peak {m.peak_bytes:,} bytes ({both_units(m.peak_bytes)}), evidence measured on {m.device}"
+                f" (start from {m.start_source}); traced {pk.bytes:,}; workspace not visible as tensors "
+                f"{m.unseen_workspace_bytes:,} bytes (kernel-internal buffers, allocator rounding)"
+                + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes else "")
+                + f"\nmedian step time {m.median_step_seconds * 1e3:.2f} ms over {len(m.step_seconds)} steps"
+            )
+        )
+    items += [Text(f"wrote {p}") for p in written]
+    items.append(notes_text([*ledger.notes, UNITS_NOTE]))
+    print_renderables(*items, console=console)
+
+
+Writer = Callable[..., Path]
+
+
+def _check_outputs(args: argparse.Namespace) -> list[tuple[Writer, str]]:
+    """Validate every output path before the (possibly long) trace runs."""
+    from trainledger.report.exports import (
+        LEDGER_JSON_SUFFIXES,
+        MEMORY_VIZ_SUFFIXES,
+        PERFETTO_SUFFIXES,
+        check_output_path,
+        write_ledger_json,
+        write_memory_viz,
+        write_perfetto,
+    )
+    from trainledger.report.plot import PLOT_SUFFIXES, plot_timeline
+
+    wanted = [
+        (args.plot, plot_timeline, PLOT_SUFFIXES, "plot"),
+        (args.export_memory_viz, write_memory_viz, MEMORY_VIZ_SUFFIXES, "memory snapshot"),
+        (args.export_perfetto, write_perfetto, PERFETTO_SUFFIXES, "Perfetto trace"),
+        (args.export_json, write_ledger_json, LEDGER_JSON_SUFFIXES, "ledger JSON"),
+    ]
+    out = []
+    for path, writer, suffixes, what in wanted:
+        if path:
+            check_output_path(path, suffixes, what=what, protect=_inputs(args))
+            out.append((writer, path))
+    return out
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    spec = getattr(args, "model", None) or ""
+    return [spec.rpartition(":")[0]] if ":" in spec else []
+
+
+@contextmanager
+def _progress(console: Console, *, quiet: bool) -> Iterator[Callable[[str, int], None] | None]:
+    """A status line on stderr while a long trace runs (nothing when stderr is not a terminal)."""
+    if quiet:
+        yield None
+        return
+    with console.status("tracing…") as status:
+
+        def update(phase: str, num_events: int) -> None:
+            status.update(f"tracing: {phase}, {num_events:,} events")
+
+        yield update
