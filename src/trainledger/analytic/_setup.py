@@ -1,0 +1,107 @@
+"""How a step is run: the options of the analytic model (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainledger.declared import OPTIMIZER_ARRAYS
+from trainledger.errors import InputError
+
+Recipe = Literal["bf16-master", "bf16", "fp32"]
+RECIPES: dict[str, tuple[str, str | None, str]] = {
+    # name: (weights and gradients, master copy, optimizer moments)
+    "bf16-master": ("bfloat16", "float32", "float32"),
+    "bf16": ("bfloat16", None, "bfloat16"),
+    "fp32": ("float32", None, "float32"),
+}
+Remat = Literal["none", "selective", "full"]
+REMATS: tuple[Remat, ...] = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One training step of an architecture: sizes, precision, attention, recomputation, parallelism."""
+
+    micro_batch: int = 1
+    """Sequences per micro-batch on one data-parallel rank (per side of a DPO pair with ``reference``)."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    recipe: Recipe = "bf16-master"
+    """``bf16-master``: bf16 weights and gradients, fp32 master copy and moments (the master gradients
+    are materialised in fp32 during the step, as the bundled optimizer does); ``bf16``: everything bf16;
+    ``fp32``: everything fp32."""
+    optimizer: str = "adamw"
+    """``adamw``, ``adam``, ``sgd`` or ``sgd-momentum``."""
+    attn_impl: Literal["eager", "sdpa"] = "sdpa"
+    """``eager`` materialises the (T × T) attention matrix; ``sdpa`` (flash / memory-efficient) does not."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Kernels differ in what they save: on CUDA dropout keeps a 1-byte mask, LayerNorm fp32 statistics and
+    AdamW runs ``foreach`` (one temporary the size of the state); on CPU the mask and statistics are in
+    the activation dtype, AdamW runs per tensor, and SDPA with dropout falls back to the math kernel."""
+    remat: Remat = "none"
+    """Activation recomputation: ``selective`` recomputes the attention core (Korthikanti et al. 2022,
+    §4.2), ``full`` keeps only each checkpointed layer's input."""
+    remat_every: int = 1
+    """With ``full``: checkpoint every k-th layer (layers ``0, k, 2k…``); 1 = every layer."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight."""
+    lora_targets: tuple[str, ...] = ()
+    """Last names of the adapted linears (default ``q_proj, v_proj``; GPT-2 ``c_attn``; NeoX ``query_key_value``)."""
+    reference: bool = False
+    """A frozen reference copy of the model (DPO): its forward runs under ``no_grad`` before the policy's."""
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel degree ``t``: attention heads, MLP width and vocabulary split ``t`` ways."""
+    sequence_parallel: bool = False
+    """With ``t > 1``: the norms' and dropouts' activations are split along the sequence too."""
+    pipeline_parallel: int = 1
+    """Pipeline stages ``p`` (1F1B schedule): the first stage holds ``p`` micro-batches of activations."""
+    pipeline_stage: int | None = None
+    """Which stage's ledger to build; ``None``: the stage with the largest peak."""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "remat_every", "tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"--{name.replace('_', '-')} {value!r} must be a whole number, at least 1")
+        if self.seq_len < 2:
+            raise InputError(f"--seq-len {self.seq_len} must be at least 2 (the loss predicts the next token)")
+        if self.recipe not in RECIPES:
+            raise InputError(f"unknown precision recipe {self.recipe!r}; accepted: {', '.join(RECIPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        if self.recipe == "bf16-master" and self.optimizer not in ("adamw", "adam"):
+            raise InputError(f"the bf16-master recipe is modelled with adamw or adam, not {self.optimizer!r}")
+        if self.attn_impl not in ("eager", "sdpa"):
+            raise InputError(f"unknown attention implementation {self.attn_impl!r}; accepted: eager, sdpa")
+        if self.device not in ("cuda", "cpu"):
+            raise InputError(f"unknown device kind {self.device!r}; accepted: cuda, cpu")
+        if self.remat not in REMATS:
+            raise InputError(f"unknown rematerialization policy {self.remat!r}; accepted: {', '.join(REMATS)}")
+        if self.lora_rank < 0:
+            raise InputError(f"--lora-rank {self.lora_rank} must be 0 (off) or positive")
+        if self.pipeline_stage is not None and not 0 <= self.pipeline_stage < self.pipeline_parallel:
+            raise InputError(f"--pipeline-stage {self.pipeline_stage} must be in 0..{self.pipeline_parallel - 1}")
+
+    @property
+    def weight_dtype(self) -> str:
+        return RECIPES[self.recipe][0]
+
+    @property
+    def master_dtype(self) -> str | None:
+        return RECIPES[self.recipe][1]
+
+    @property
+    def moment_dtype(self) -> str:
+        return RECIPES[self.recipe][2]
+
+    @property
+    def optimizer_roles(self) -> tuple[str, ...]:
+        return OPTIMIZER_ARRAYS[self.optimizer]
+
+    @property
+    def has_step_counter(self) -> bool:
+        """Adam-family optimizers keep a scalar ``step`` tensor per parameter."""
+        return self.optimizer in ("adamw", "adam")

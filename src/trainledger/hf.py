@@ -1,0 +1,386 @@
+"""Hugging Face architectures from a local ``config.json``: built on the meta device or under fake mode.
+
+Nothing is downloaded and no remote code runs: the config is read and validated by
+:func:`trainledger.analytic.arch_from_config` first (one clear line for a bad value), then handed to the
+family's own ``transformers`` config class as a local object (``AutoConfig.for_model``); the Hub is
+switched offline for the process before ``transformers`` is imported, and ``auto_map`` (remote code) is
+dropped from the config.
+
+The model is built
+
+- on the ``meta`` device (instant, nothing allocated) to count its parameters;
+- under ``FakeTensorMode`` for a full-scale fake trace (:func:`trainledger.trace.trace` uses a model
+  built that way in its own mode);
+- on the CPU, for real, for small configs (the tests compare the fake and the real trace).
+
+``transformers`` is an optional dependency: ``pip install 'trainledger[hf]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainledger.analytic._config import ArchSpec, arch_from_config, load_config_file, normalized_config
+from trainledger.errors import InputError
+from trainledger.workload import Workload
+
+Recipe = Literal["bf16-master", "bf16", "fp32"]
+AttnImpl = Literal["eager", "sdpa"]
+Device = Literal["meta", "cpu", "fake"]
+
+RECIPES: dict[str, tuple[torch.dtype, bool]] = {
+    "bf16-master": (torch.bfloat16, True),  # bf16 weights and gradients, fp32 master copy and moments
+    "bf16": (torch.bfloat16, False),  # everything bf16, moments too
+    "fp32": (torch.float32, False),
+}
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("c_attn",),
+    "gpt_neox": ("query_key_value",),
+}
+_DROPPED_KEYS = (
+    "auto_map",
+    "quantization_config",
+    "torch_dtype",
+    "dtype",
+    "attn_implementation",
+    "_attn_implementation",
+)
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub, whatever a config names
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("--hf-config needs transformers: pip install 'trainledger[hf]'") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers warns about token ids outside a scaled-down vocabulary and the like: not our user's concern."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """A validated local config: the raw dict, its memory-relevant shape, and where it came from."""
+
+    raw: dict[str, Any]
+    spec: ArchSpec
+    source: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.family}:{Path(self.source).stem if self.source else 'config'}"
+
+
+def load_hf_config(path: str | Path | dict[str, Any]) -> HFConfig:
+    """Read and validate a config: a ``config.json``, a folder holding one, or an already-loaded dict.
+
+    Example:
+        >>> cfg = load_hf_config({"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4})
+        >>> cfg.spec.family, cfg.spec.tied
+        ('gpt2', True)
+    """
+    raw = dict(path) if isinstance(path, dict) else load_config_file(path)
+    spec = arch_from_config(raw)
+    return HFConfig(raw=normalized_config(raw), spec=spec, source="" if isinstance(path, dict) else str(path))
+
+
+def transformers_config(cfg: HFConfig, *, attn_impl: AttnImpl = "sdpa") -> Any:
+    """The family's own ``transformers`` config object, built locally from the dict (no Hub, no remote code)."""
+    if attn_impl not in ("eager", "sdpa"):
+        raise InputError(f"unknown attention implementation {attn_impl!r}; accepted: eager, sdpa")
+    tf = _transformers()
+    kwargs = {k: v for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
+    with _quiet():
+        try:
+            config = tf.AutoConfig.for_model(cfg.spec.family, **kwargs)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise InputError(f"transformers rejects the {cfg.spec.family} config: {exc}") from exc
+    config._attn_implementation = attn_impl
+    config.use_cache = False  # a training step keeps no key/value cache
+    return config
+
+
+def build_model(
+    cfg: HFConfig,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_impl: AttnImpl = "sdpa",
+    device: Device = "meta",
+    fake_mode: Any = None,
+    seed: int = 0,
+) -> nn.Module:
+    """The causal-LM model of ``cfg`` (in training mode), built on ``device``.
+
+    Arguments:
+        dtype: precision of the weights.
+        attn_impl: ``eager`` (explicit softmax, saves the attention matrix) or ``sdpa``.
+        device: ``meta`` (no storage: counts only), ``cpu`` (real weights, small configs), or ``fake``
+            (under ``fake_mode``, a ``FakeTensorMode``: full size, nothing allocated).
+
+    Example:
+        >>> cfg = load_hf_config({"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4})
+        >>> m = build_model(cfg)
+        >>> sum(p.numel() for p in m.parameters()) == num_params(cfg.spec)
+        True
+    """
+    tf = _transformers()
+    config = transformers_config(cfg, attn_impl=attn_impl)
+    if device == "fake":
+        if fake_mode is None:
+            raise ValueError("device='fake' needs a fake_mode")
+        ctx: contextlib.AbstractContextManager[Any] = fake_mode
+    elif device == "meta":
+        ctx = torch.device("meta")
+    elif device == "cpu":
+        ctx = contextlib.nullcontext()
+        torch.manual_seed(seed)
+    else:
+        raise ValueError(f"unknown device {device!r}")
+    with _quiet(), ctx:
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    model.train()
+    return model
+
+
+def num_params(spec: ArchSpec) -> int:
+    from trainledger.analytic._params import num_params as _n
+
+    return _n(spec)
+
+
+# --- LoRA ---------------------------------------------------------------------------------------------
+
+
+class LoRA(nn.Module):
+    """A frozen base linear plus a trainable low-rank update ``B A`` (Hu et al., 2021, eq. 3).
+
+    ``y = base(x) + (x Aᵀ) Bᵀ · alpha/rank``. Works for ``nn.Linear`` and GPT-2's ``Conv1D`` (whose
+    weight is stored as ``(in, out)``).
+    """
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float | None = None) -> None:
+        super().__init__()
+        w = base.weight
+        d_in, d_out = (w.shape[0], w.shape[1]) if type(base).__name__ == "Conv1D" else (w.shape[1], w.shape[0])
+        self.base = base.requires_grad_(False)
+        self.scaling = (alpha if alpha is not None else rank) / rank
+        # A: small random, B: zeros, so the update starts at zero (the paper's initialisation).
+        self.lora_A = nn.Parameter(torch.empty(rank, d_in, dtype=w.dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.zeros(d_out, rank, dtype=w.dtype, device=w.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+def apply_lora(model: nn.Module, rank: int, targets: Sequence[str]) -> list[str]:
+    """Freeze every weight of ``model`` and wrap the linears whose last name is in ``targets`` in :class:`LoRA`.
+
+    Returns the wrapped modules' paths. Raises :class:`InputError` when no module matches.
+    """
+    if rank < 1:
+        raise InputError(f"--lora-rank {rank} must be at least 1")
+    model.requires_grad_(False)
+    wrapped = []
+    for path, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            is_linear = isinstance(child, nn.Linear) or type(child).__name__ == "Conv1D"
+            if child_name in targets and is_linear:
+                setattr(module, child_name, LoRA(child, rank))
+                wrapped.append(f"{path}.{child_name}" if path else child_name)
+    if not wrapped:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise InputError(
+            f"--lora-targets {','.join(targets)} match no linear layer; this model has: {', '.join(names)}"
+        )
+    return wrapped
+
+
+# --- optimizers ---------------------------------------------------------------------------------------
+
+
+def optimizer_factory(name: str, recipe: Recipe) -> Any:
+    """A factory of the trainable parameters for ``name`` under ``recipe`` (master copies for bf16-master)."""
+    if name not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
+    if recipe not in RECIPES:
+        raise InputError(f"unknown precision recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
+    lr = 1e-4
+
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        if recipe == "bf16-master":
+            from trainledger.examples import AdamWWithMasterWeights
+
+            if name not in ("adamw", "adam"):
+                raise InputError(f"the bf16-master recipe is modelled with AdamW/Adam, not {name!r}")
+            return AdamWWithMasterWeights(params, lr=lr, weight_decay=0.01 if name == "adamw" else 0.0)
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        if name == "adam":
+            return torch.optim.Adam(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "sgd-momentum" else 0.0)
+
+    return build
+
+
+# --- the workload -------------------------------------------------------------------------------------
+
+
+def _dpo_loss(policy: nn.Module, reference: nn.Module) -> Any:
+    """DPO (Rafailov et al., 2023, eq. 7): reference log-probs under ``no_grad`` first, then the policy's."""
+
+    def seq_logprob(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=tokens).logits[:, :-1].float()  # (2B, T-1, V), upcast as HF's loss does
+        logp = logits.log_softmax(-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return logp.sum(-1)  # (2B,)
+
+    def loss_fn(_output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = torch.cat([batch["chosen"], batch["rejected"]])  # (2B, T): chosen rows first
+        with torch.no_grad():
+            ref = seq_logprob(reference, tokens)
+        pol = seq_logprob(policy, tokens)
+        n = batch["chosen"].shape[0]
+        margin = (pol[:n] - ref[:n]) - (pol[n:] - ref[n:])
+        return -F.logsigmoid(0.1 * margin).mean()
+
+    return loss_fn
+
+
+class _LossOnly(nn.Module):
+    """Holds the policy for a loss computed entirely in ``loss_fn`` (DPO)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        return batch
+
+
+def workload_from_hf_config(
+    path: str | Path | dict[str, Any],
+    *,
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    recipe: Recipe = "bf16-master",
+    optimizer: str = "adamw",
+    attn_impl: AttnImpl = "sdpa",
+    lora_rank: int = 0,
+    lora_targets: Sequence[str] | None = None,
+    reference: bool = False,
+    fake: bool = False,
+    seed: int = 0,
+) -> Workload:
+    """One training step of a Hugging Face architecture, ready for :func:`trainledger.trace.trace`.
+
+    Arguments:
+        path: a local ``config.json``, a folder holding one, or the config as a dict.
+        micro_batch: sequences per step (per DPO side with ``reference``).
+        seq_len: tokens per sequence.
+        recipe: ``bf16-master`` (bf16 weights and gradients, fp32 master copy and moments),
+            ``bf16`` (everything bf16), or ``fp32``.
+        optimizer: ``adamw``, ``adam``, ``sgd`` or ``sgd-momentum``.
+        attn_impl: ``eager`` or ``sdpa``.
+        lora_rank: with ``lora_rank > 0`` the base is frozen and ``lora_targets`` get rank-``r`` adapters.
+        lora_targets: last names of the linears to adapt (default ``q_proj, v_proj``; GPT-2 ``c_attn``;
+            GPT-NeoX ``query_key_value``).
+        reference: add a frozen reference copy of the model and train with the DPO loss on
+            ``micro_batch`` chosen and ``micro_batch`` rejected sequences.
+        fake: build everything under ``FakeTensorMode`` (full size, nothing allocated); trace it with
+            ``trace(workload, fake=True)``.
+
+    The batch is random token ids; with the plain causal-LM loss it is ``{"input_ids", "labels"}`` and
+    the model's own (shifted, fp32-upcast) cross-entropy is the loss.
+
+    Example:
+        >>> cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        ...        "num_hidden_layers": 1, "num_attention_heads": 4}
+        >>> w = workload_from_hf_config(cfg, micro_batch=2, seq_len=16, fake=True)
+        >>> tuple(w.batch["input_ids"].shape), w.name
+        ((2, 16), 'llama:config')
+    """
+    cfg = load_hf_config(path)
+    if micro_batch < 1:
+        raise InputError(f"--micro-batch {micro_batch} must be at least 1")
+    if seq_len < 2:
+        raise InputError(f"--seq-len {seq_len} must be at least 2")
+    if cfg.spec.learned_positions and seq_len > cfg.spec.learned_positions:
+        raise InputError(
+            f"--seq-len {seq_len} exceeds the {cfg.spec.learned_positions} learned positions "
+            "(n_positions) of this model"
+        )
+    if recipe not in RECIPES:
+        raise InputError(f"unknown precision recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
+    dtype, _ = RECIPES[recipe]
+    opt = optimizer_factory(optimizer, recipe)
+    mode: Any = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device: Device = "fake" if fake else "cpu"
+    model = build_model(cfg, dtype=dtype, attn_impl=attn_impl, device=device, fake_mode=mode, seed=seed)
+    if lora_rank:
+        targets = tuple(lora_targets or DEFAULT_LORA_TARGETS.get(cfg.spec.family, ("q_proj", "v_proj")))
+        with mode if fake else contextlib.nullcontext():
+            apply_lora(model, lora_rank, targets)
+    ref_model = None
+    if reference:
+        ref_model = build_model(cfg, dtype=dtype, attn_impl=attn_impl, device=device, fake_mode=mode, seed=seed + 1)
+        ref_model.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    with mode if fake else contextlib.nullcontext():
+
+        def tokens() -> torch.Tensor:
+            if fake:
+                return torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            return torch.randint(0, cfg.spec.vocab_size, (micro_batch, seq_len), generator=gen)
+
+        if reference:
+            batch = {"chosen": tokens(), "rejected": tokens()}
+        else:
+            ids = tokens()
+            batch = {"input_ids": ids, "labels": ids}
+    name = cfg.name + (f"+lora{lora_rank}" if lora_rank else "") + ("+dpo" if reference else "")
+    if reference:
+        assert ref_model is not None
+        return Workload(
+            _LossOnly(model),
+            batch,
+            loss_fn=_dpo_loss(model, ref_model),
+            optimizer=opt,
+            reference=ref_model,
+            name=name,
+        )
+    return Workload(model, batch, optimizer=opt, name=name)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
