@@ -627,7 +627,7 @@ def _chain(cs: Candidates, every: list[int], num_points: int) -> Chain | None:
     if span.sum(axis=0).max(initial=0) > 1:
         return None
     idx = np.arange(num_points)
-    for k, (_f0, f1, b0, _b1) in enumerate(ranges):
+    for _f0, f1, b0, _b1 in ranges:
         prefix += (idx > f1) & (idx < b0)
     for k in range(npos):
         prefix[span[k]] = k
