@@ -1,0 +1,641 @@
+"""Run a sharded step for real: ranks on ``torch.distributed``, each traced, compared with the prediction.
+
+``run(RunConfig(model="gpt-tiny", world_size=2, strategy="zero3"))`` starts ``world_size`` processes on
+this machine (gloo on CPU, NCCL when every rank has a GPU), each of which:
+
+1. joins the process group through a TCP store the parent holds on a free loopback port;
+2. builds the workload (built-in examples are seeded, so every rank builds the same model; every rank
+   uses the workload's whole batch as its micro-batch — the same data on every rank);
+3. wraps it with PyTorch's own engine: ``DistributedDataParallel`` (stage 0), plus
+   ``ZeroRedundancyOptimizer`` (stage 1), or FSDP2 ``fully_shard`` on every repeated block and on the
+   root with ``reshard_after_forward`` off (stage 2) or on (stage 3);
+4. runs a warm-up step, then a timed step during which every ``c10d`` op is counted (payload bytes,
+   calls, and wall time spent in them and in waiting on their results), then traces a step with
+   :func:`trainledger.trace.trace`;
+5. sends its ledger, as ``to_dict()`` JSON bytes (never pickle), to rank 0 with ``gather``; rank 0
+   writes them for the parent.
+
+The parent traces the same workload in one process, shards that ledger with
+:func:`trainledger.shard.shard` (``engine="torch"``) and reports predicted against traced peaks.
+
+Faults: when a rank raises, every rank is stopped and the error names the rank and its exception;
+when ranks do not finish within the timeout, they are stopped and the error names each one and the
+step it was in. No child process is left behind.
+
+Known limitations: FSDP2 keeps parameters as ``DTensor`` wrappers and frees gathered parameters with
+``untyped_storage().resize_(0)``; the tracer sees storages, so the launcher registers the local shards
+and the gathered storages' resizes with it (see :func:`_fsdp_storage_view`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainledger.errors import InputError
+from trainledger.ledger import Ledger
+from trainledger.shard.comm import Collective
+from trainledger.shard.transform import ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
+
+RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
+RANKS_PER_CPU = 4
+"""gloo ranks allowed per CPU core: CPU processes can share cores (slowly); more than this is refused."""
+
+
+class RankError(InputError):
+    """A rank raised or did not finish: the message names the rank and what happened."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A real sharded run."""
+
+    model: str
+    """A built-in example name or ``path/to/file.py:factory`` (called in every rank)."""
+    world_size: int
+    """Ranks to start on this machine."""
+    strategy: Strategy = "zero3"
+    """``zero0``–``zero3`` (DDP, +ZeroRedundancyOptimizer, FSDP2 without/with resharding after forward)."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """``gloo`` on CPU; ``nccl`` puts rank ``r`` on GPU ``r``."""
+    timeout_seconds: float = 300.0
+    """Every rank must finish within this; otherwise all are stopped."""
+    trace: bool = True
+    """Trace each rank's step (off: only time it and count its collectives)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise InputError(f"--world {self.world_size} must be a whole number of ranks, at least 1")
+        if self.strategy not in RUN_STRATEGIES:
+            raise InputError(
+                f"--run supports stages 0, 1, 2, 3 (DDP, ZeroRedundancyOptimizer, FSDP2); got {self.strategy!r}"
+            )
+        if self.backend not in ("gloo", "nccl"):
+            raise InputError(f"backend {self.backend!r} is not supported; use gloo (CPU) or nccl (GPUs)")
+        limit = max_ranks(self.backend)
+        if self.world_size > limit:
+            raise InputError(
+                f"--world {self.world_size} is more ranks than this machine can run with {self.backend} "
+                f"(at most {limit}: "
+                + (f"{RANKS_PER_CPU} per CPU core" if self.backend == "gloo" else "one per GPU")
+                + "); lower --world, or predict without --run"
+            )
+        if not self.timeout_seconds > 0:
+            raise InputError(f"timeout {self.timeout_seconds} must be positive seconds")
+
+
+def max_ranks(backend: str) -> int:
+    """Ranks this machine can run: ``RANKS_PER_CPU`` per core with gloo, one per GPU with NCCL."""
+    if backend == "nccl":
+        return torch.cuda.device_count()
+    return RANKS_PER_CPU * (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank measured and traced."""
+
+    rank: int
+    step_seconds: float
+    """Wall time of one untraced steady-state step."""
+    wait_seconds: float
+    """Part of it spent inside collectives and waiting for their results."""
+    collectives: tuple[Collective, ...]
+    """What the collectives moved, counted at each ``c10d`` call of the timed step."""
+    ledger: Ledger | None
+    """The traced step of this rank (``None`` when tracing was off)."""
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(c.payload_bytes for c in self.collectives)
+
+    @property
+    def traced_peak_bytes(self) -> int | None:
+        return self.ledger.peak().bytes if self.ledger is not None else None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Predicted against traced, per rank."""
+
+    config: RunConfig
+    prediction: ShardResult
+    reference: Ledger
+    """The single-process trace the prediction was made from."""
+    ranks: tuple[RankReport, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def relative_error(self, rank: int) -> float | None:
+        traced = self.ranks[rank].traced_peak_bytes
+        if not traced:
+            return None
+        return self.prediction.ranks[rank].peak().bytes / traced - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.ranks[0].ledger
+        out = (first if first is not None else self.prediction.ranks[0]).to_dict(entries=False)
+        out["run"] = {
+            "model": self.config.model,
+            "world_size": self.config.world_size,
+            "strategy": self.config.strategy,
+            "engine": self.prediction.label,
+            "backend": self.config.backend,
+        }
+        out["ranks"] = [
+            {
+                "rank": r.rank,
+                "predicted_peak_bytes": self.prediction.ranks[r.rank].peak().bytes,
+                "traced_peak_bytes": r.traced_peak_bytes,
+                "relative_error": self.relative_error(r.rank),
+                "collective_bytes": r.collective_bytes,
+                "predicted_collective_bytes": sum(c.payload_bytes for c in self.prediction.collectives),
+                "collectives": _by_kind(r.collectives),
+                "predicted_collectives": _by_kind(self.prediction.collectives),
+                "step_seconds": r.step_seconds,
+                "wait_seconds": r.wait_seconds,
+                "traced_peak": r.ledger.to_dict(entries=False)["peak"] if r.ledger is not None else None,
+                "predicted_peak": self.prediction.ranks[r.rank].to_dict(entries=False)["peak"],
+            }
+            for r in self.ranks
+        ]
+        out["notes"] = [*out["notes"], *self.notes]
+        return out
+
+
+def _by_kind(collectives: tuple[Collective, ...]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for c in collectives:
+        d = out.setdefault(c.kind, {"payload_bytes": 0, "calls": 0})
+        d["payload_bytes"] += c.payload_bytes
+        d["calls"] += c.num_calls
+    return out
+
+
+# --- the parent ---------------------------------------------------------------------------------------
+
+
+def run(config: RunConfig) -> RunResult:
+    """Start the ranks, wait for them (or stop them all on a fault), and compare with the prediction.
+
+    Example (not run here: it starts processes)::
+
+        result = run(RunConfig(model="gpt-tiny", world_size=2, strategy="zero3"))
+        [r["traced_peak_bytes"] for r in result.to_dict()["ranks"]]
+    """
+    from trainledger.trace import trace
+    from trainledger.workload import load_workload
+
+    load_workload(config.model)  # bad model specs fail here, in one line, before any process starts
+    with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
+        reports = _launch(config, Path(tmp))
+    ranks = tuple(_report_from_dict(d) for d in reports)
+    reference = trace(load_workload(config.model))
+    units = _units_of(load_workload(config.model).model)
+    prediction = shard(
+        reference, ShardConfig(world_size=config.world_size, strategy=config.strategy, engine="torch", units=units)
+    )
+    notes = (
+        "every rank runs the workload's whole batch as its micro-batch (the same data on each rank)",
+        "collective bytes: payload handed to each c10d call of one untraced step (all-gather: output, "
+        "reduce-scatter: input), counted on each rank",
+    )
+    return RunResult(config, prediction, reference, ranks, notes)
+
+
+def _units_of(model: nn.Module) -> tuple[str, ...]:
+    names = [n for n, _ in model.named_parameters()]
+    return infer_units(names)
+
+
+def _launch(config: RunConfig, tmp: Path) -> list[dict[str, Any]]:
+    store = dist.TCPStore("127.0.0.1", 0, config.world_size + 1, is_master=True, wait_for_workers=False)
+    (tmp / "config.json").write_text(json.dumps(_config_dict(config)))
+    procs: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + config.timeout_seconds
+    try:
+        for rank in range(config.world_size):
+            argv = [sys.executable, "-m", "trainledger.shard.launch", str(rank), str(config.world_size)]
+            argv += [str(store.port), str(tmp)]
+            procs.append(
+                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        while True:
+            failed = [r for r in range(config.world_size) if (tmp / f"rank{r}.error").exists()]
+            if failed:
+                raise RankError(_failure_message(tmp, failed))
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            dead = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if dead:
+                time.sleep(0.5)  # give its error file a moment to land
+                failed = [r for r in range(config.world_size) if (tmp / f"rank{r}.error").exists()]
+                if failed:
+                    raise RankError(_failure_message(tmp, failed))
+                raise RankError(f"rank {dead[0]} exited with status {codes[dead[0]]} and no error message")
+            if time.monotonic() > deadline:
+                stuck = [f"rank {r} in {_stage(tmp, r)}" for r, c in enumerate(codes) if c is None]
+                raise RankError(
+                    f"ranks did not finish within {config.timeout_seconds:g} s and were stopped: "
+                    + "; ".join(stuck)
+                    + " (a rank that hangs leaves the others waiting in a collective)"
+                )
+            time.sleep(0.05)
+        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RankError(f"rank {bad[0]} exited with status {procs[bad[0]].returncode}")
+        return json.loads((tmp / "ranks.json").read_text())
+    finally:
+        _stop(procs)
+        del store
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate, then kill, every rank still running; reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=3)
+
+
+def _failure_message(tmp: Path, failed: list[int]) -> str:
+    rank = min(failed)
+    text = (tmp / f"rank{rank}.error").read_text().strip()
+    return f"rank {rank} raised {text}; every rank was stopped"
+
+
+def _stage(tmp: Path, rank: int) -> str:
+    path = tmp / f"rank{rank}.stage"
+    return path.read_text() if path.exists() else "starting"
+
+
+def _config_dict(config: RunConfig) -> dict[str, Any]:
+    return {
+        "model": config.model,
+        "strategy": config.strategy,
+        "backend": config.backend,
+        "timeout_seconds": config.timeout_seconds,
+        "trace": config.trace,
+    }
+
+
+def _report_from_dict(d: dict[str, Any]) -> RankReport:
+    return RankReport(
+        rank=d["rank"],
+        step_seconds=d["step_seconds"],
+        wait_seconds=d["wait_seconds"],
+        collectives=tuple(Collective(**c) for c in d["collectives"]),
+        ledger=Ledger.from_dict(d["ledger"]) if d.get("ledger") is not None else None,
+    )
+
+
+# --- one rank -----------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world_size: int, port: int, tmp: str) -> None:
+    """A rank's whole life; any exception is written for the parent, which stops every rank."""
+    out = Path(tmp)
+    cfg = json.loads((out / "config.json").read_text())
+
+    def stage(text: str) -> None:
+        (out / f"rank{rank}.stage").write_text(text)
+
+    try:
+        stage("joining the process group")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+        timeout = timedelta(seconds=cfg["timeout_seconds"] + 60)  # the parent's deadline comes first
+        if cfg["backend"] == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
+        try:
+            report = rank_step(cfg, stage=stage)
+            stage("sending the ledger to rank 0")
+            texts = _gather_text(json.dumps(report), rank, world_size, cfg["backend"])
+            if rank == 0:
+                (out / "ranks.json.part").write_text("[" + ",".join(texts) + "]")
+                (out / "ranks.json.part").rename(out / "ranks.json")
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:
+        message = " ".join(str(exc).split())[:400]
+        (out / f"rank{rank}.error.part").write_text(f"{type(exc).__name__}: {message}")
+        (out / f"rank{rank}.error.part").rename(out / f"rank{rank}.error")
+        (out / f"rank{rank}.traceback").write_text(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str, Any]:
+    """In an initialised process group: build, wrap, time, count and trace one step of this rank.
+
+    Usable under ``torchrun`` too: initialise the process group, then call it on every rank.
+    """
+    from trainledger.trace import trace
+    from trainledger.workload import load_workload, run_step
+
+    rank = dist.get_rank()
+    stage("building the workload")
+    workload = load_workload(cfg["model"])
+    if cfg["backend"] == "nccl":
+        workload.model.to(f"cuda:{torch.cuda.current_device()}")
+    stage("wrapping it for sharding")
+    _wrap(workload, cfg["strategy"])
+    stage("the warm-up steps")
+    for _ in range(2):  # DDP rebuilds its buckets at the second step: both before the timed one
+        run_step(workload)
+    stage("the timed step")
+    counter = CollectiveCounter(dist.get_world_size())
+    dist.barrier()
+    start = time.perf_counter()
+    with counter, counter.waits():
+        run_step(workload)
+    step_seconds = time.perf_counter() - start
+    ledger = None
+    if cfg["trace"]:
+        stage("the traced step")
+        with _fsdp_storage_view(workload.model):
+            ledger = trace(workload)
+        ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "rank": rank})
+    return {
+        "rank": rank,
+        "step_seconds": step_seconds,
+        "wait_seconds": counter.wait_seconds,
+        "collectives": [_collective_dict(c) for c in counter.collectives()],
+        "ledger": ledger.to_dict() if ledger is not None else None,
+    }
+
+
+def _collective_dict(c: Collective) -> dict[str, Any]:
+    return {
+        "kind": c.kind,
+        "phase": c.phase,
+        "label": c.label,
+        "payload_bytes": c.payload_bytes,
+        "group_size": c.group_size,
+        "num_calls": c.num_calls,
+    }
+
+
+def _wrap(workload: Any, strategy: str) -> None:
+    """Wrap the model (and replace the optimizer) as the strategy's PyTorch engine does."""
+    strategy = parse_strategy(strategy)
+    optimizer = workload.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError(
+            "the workload holds an optimizer instance; for --run give Workload(optimizer=factory) so each "
+            "rank can build it over its sharded parameters"
+        )
+    factory = optimizer or torch.optim.AdamW
+    workload._optimizer = None
+    if strategy in ("zero0", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        workload.model = DistributedDataParallel(workload.model)
+        if strategy == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            probe = factory([p for p in workload.model.parameters() if p.requires_grad])
+            cls = type(probe)
+            accepted = inspect.signature(cls.__init__).parameters  # defaults may hold derived keys
+            defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
+            del probe
+
+            def zero(params: Any) -> torch.optim.Optimizer:
+                return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, **defaults)
+
+            workload.optimizer = zero
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    reshard = strategy == "zero3"
+    for unit in _units_of(workload.model):
+        fully_shard(workload.model.get_submodule(unit), mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
+    workload.optimizer = factory
+
+
+def _gather_text(text: str, rank: int, world_size: int, backend: str) -> list[str]:
+    """Gather one UTF-8 string per rank to rank 0 as byte tensors (no pickle)."""
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(padded, bufs, dst=0)
+    if rank != 0:
+        return []
+    assert bufs is not None
+    return [bytes(b[: int(s.item())].cpu().tolist()).decode() for b, s in zip(bufs, sizes, strict=True)]
+
+
+# --- counting collectives ------------------------------------------------------------------------------
+
+# c10d ops as the dispatcher sees them -> (kind, which argument holds the payload)
+_C10D_KINDS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "broadcast_": "broadcast",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts every ``c10d`` op dispatched while active: kind, payload bytes, calls and time.
+
+    DDP's reducer, ``ZeroRedundancyOptimizer`` and FSDP2 all reach their collectives through the
+    dispatcher's ``c10d`` ops (checked by the tests), so this sees what each engine actually moves.
+    Payload: all-reduce and broadcast the tensors' bytes; reduce-scatter its input; all-gather its
+    output.
+    """
+
+    def __init__(self, group_size: int) -> None:
+        super().__init__()
+        self.group_size = group_size
+        self.counts: dict[tuple[str, str], list[int]] = {}
+        self.phase = "step"
+        self.wait_seconds = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace != "c10d":
+            return func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        kind = _C10D_KINDS.get(name)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.wait_seconds += time.perf_counter() - start
+        if kind is not None:
+            payload = _payload(name, args)
+            c = self.counts.setdefault((kind, name), [0, 0])
+            c[0] += payload
+            c[1] += 1
+        return out
+
+    @contextlib.contextmanager
+    def waits(self) -> Iterator[None]:
+        """Also count time spent in ``Work.wait()`` (asynchronous collectives finish there)."""
+        from torch._C._distributed_c10d import Work
+
+        original = Work.wait
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                self.wait_seconds += time.perf_counter() - start
+
+        try:
+            Work.wait = wait  # type: ignore[method-assign]
+        except (TypeError, AttributeError):  # a build whose Work cannot be patched: dispatch time only
+            yield
+            return
+        try:
+            yield
+        finally:
+            Work.wait = original  # type: ignore[method-assign]
+
+    def collectives(self) -> list[Collective]:
+        return [
+            Collective(kind, "step", f"c10d.{name}", payload, self.group_size, calls)  # type: ignore[arg-type]
+            for (kind, name), (payload, calls) in sorted(self.counts.items())
+        ]
+
+
+def _payload(name: str, args: tuple[Any, ...]) -> int:
+    def nbytes(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(nbytes(y) for y in x)
+        return 0
+
+    if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        return nbytes(args[1])  # (output, input, ...)
+    if name == "reduce_scatter_":
+        return nbytes(args[1])  # (outputs, input_lists, ...)
+    if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_"):
+        return nbytes(args[0])  # output(s)
+    return nbytes(args[0])
+
+
+# --- FSDP2's storages, as the tracer needs to see them ------------------------------------------------
+
+
+@contextlib.contextmanager
+def _fsdp_storage_view(model: nn.Module) -> Iterator[None]:
+    """Let the tracer see FSDP2's real storages while it traces a rank.
+
+    FSDP2 keeps each parameter (and so its gradient and optimizer state) as a ``DTensor``, a wrapper
+    whose ``untyped_storage()`` reports the *global* size; the bytes a rank holds are its local shard.
+    And it frees a unit's gathered parameters with ``untyped_storage().resize_(0)`` (and re-grows them
+    the same way), which no dispatched op shows. For the traced step this registers the local shards
+    in place of the wrappers, and tells the tracer when a gathered storage is grown (allocated) or
+    shrunk to nothing (freed). Plain modules are traced untouched.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    import trainledger.trace as trace_api
+    from trainledger.inventory import storage_key
+    from trainledger.ledger import Category
+    from trainledger.trace import _tracer as _tracer_module
+    from trainledger.trace._tracer import StepTracer
+
+    original_iter, original_alloc, original_free = (
+        trace_api.iter_state,
+        _fsdp_param.alloc_storage,
+        _fsdp_param.free_storage,
+    )
+
+    def local_state(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for t, owner in original_iter(*args, **kwargs):
+            yield (t._local_tensor if isinstance(t, DTensor) else t), owner
+
+    def tracer() -> StepTracer | None:
+        return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, StepTracer)), None)
+
+    def freed(tr: StepTracer, key: int) -> None:
+        rec = tr.storages.pop(key, None)
+        if rec is not None:
+            rec.free_event = len(tr.events)  # live through the last event that ran
+            tr._refs.pop(key, None)
+            tr.finished.append(rec)
+
+    def alloc_storage(t: torch.Tensor) -> None:
+        original_alloc(t)
+        tr = tracer()
+        if tr is not None:
+            key = storage_key(t)
+            freed(tr, key)  # a storage grown again is a new allocation
+            tr._track(
+                t,
+                key,
+                "gathered parameters",
+                Category.WEIGHTS,
+                "gathered",
+                alloc_event=len(tr.events),
+                owner=tr.scopes.current,
+            )
+
+    def free_storage(t: torch.Tensor) -> None:
+        tr = tracer()
+        if tr is not None:
+            freed(tr, storage_key(t))
+        original_free(t)
+
+    def has_storage(t: torch.Tensor) -> bool:  # wrappers hold no bytes of their own
+        return not isinstance(t, DTensor) and original_has_storage(t)
+
+    original_has_storage = _tracer_module._has_storage
+    trace_api.iter_state = local_state  # type: ignore[assignment]
+    _tracer_module._has_storage = has_storage
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+    try:
+        yield
+    finally:
+        trace_api.iter_state = original_iter  # type: ignore[assignment]
+        _tracer_module._has_storage = original_has_storage
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = original_alloc, original_free
+
+
+if __name__ == "__main__":  # one rank, started by _launch: RANK WORLD_SIZE STORE_PORT DIRECTORY
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
