@@ -13,6 +13,7 @@ import contextlib
 import copy
 import io
 import json
+import os
 import pickle
 import pickletools
 import re
@@ -368,6 +369,10 @@ def test_bad_event_times_are_input_errors(meta, fragment):
 def test_ledger_json_round_trips(tmp_path):
     led = hand_ledger()
     path = write_ledger_json(led, tmp_path / "ledger.json")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # the usual permissions, not a temp file's 0600
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temporary file left behind
     back = Ledger.from_dict(json.loads(path.read_text()))
     assert back.entries == led.entries and back.events == led.events
     assert back.totals() == HAND_TOTALS

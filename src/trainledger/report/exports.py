@@ -101,11 +101,18 @@ def _atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> 
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 # --- the event clock -------------------------------------------------------------------------------------
@@ -269,18 +276,25 @@ def to_memory_viz_snapshot(ledger: Ledger) -> dict[str, Any]:
     addr: list[int] = [0] * len(kept)
     alloc_frames: list[list[dict[str, Any]]] = [[] for _ in kept]
     trace: list[dict[str, Any]] = []
+    sites: dict[int | None, dict[str, Any]] = {}  # one frame object per site: the pickle stores it once
+
+    def site(index: int | None) -> dict[str, Any]:
+        if index not in sites:
+            sites[index] = _site_frame(events, index, before=before)
+        return sites[index]
+
     for t in range(n + 1):
         time_us = starts[t] if t < n else end_time
         for k in frees_at[t]:
             e = kept[k]
-            frames = [_entry_frame(e), _site_frame(events, e.free_event, before=before)]
+            frames = [alloc_frames[k][0], site(e.free_event)]
             for action in ("free_requested", "free_completed"):
                 trace.append(_trace_entry(action, addr[k], e, time_us, frames))
             heap.release(addr[k] - BASE_ADDRESS, e.nbytes)
         for k in allocs_at[t]:
             e = kept[k]
             addr[k] = BASE_ADDRESS + heap.alloc(e.nbytes)
-            alloc_frames[k] = [_entry_frame(e), _site_frame(events, e.alloc_event, before=before)]
+            alloc_frames[k] = [_entry_frame(e), site(e.alloc_event)]
             trace.append(_trace_entry("alloc", addr[k], e, time_us, alloc_frames[k]))
     # The viewer (annotate_snapshot in MemoryViz.js) appends "unknown" to the categories it has seen and
     # fails if it is missing; real snapshots carry a "snapshot" marker, which also names that category.
