@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from trainledger import __version__
-from trainledger.commands import demo, state, trace
+from trainledger.commands import demo, shard, state, trace
 from trainledger.errors import InputError
 
-COMMANDS = (demo, state, trace)
+COMMANDS = (demo, state, trace, shard)
 
 
 class _Parser(argparse.ArgumentParser):
