@@ -36,6 +36,7 @@ class ModuleScopes:
                 for _name, p in mod.named_parameters(recurse=False):
                     self.param_owner.setdefault(id(p), path)
         self.stack: list[str] = []
+        self._boundaries: list[set[int]] = []
         self._handles: list[RemovableHandle] = []
 
     def open(self) -> None:
@@ -49,19 +50,21 @@ class ModuleScopes:
             h.remove()
         self._handles = []
         self.stack.clear()
+        self._boundaries.clear()
 
-    def _pre(self, module: nn.Module, _args: Any) -> None:
+    def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
         if name is not None:
             self.stack.append(name)
+            # the graph that existed before this forward: its inputs' nodes bound the walk in _post
+            self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
 
     def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
         name = self.names.get(id(module))
-        if name is None:
+        if name is None or not self.stack or self.stack[-1] != name:
             return
-        if self.stack and self.stack[-1] == name:
-            self.stack.pop()
-        label_graph(output, name)
+        self.stack.pop()
+        label_graph(output, name, stop=self._boundaries.pop())
 
     @property
     def current(self) -> str:
@@ -80,13 +83,26 @@ class ModuleScopes:
         return ""
 
 
-def label_graph(output: Any, name: str) -> None:
-    """Label every not-yet-labelled autograd node reachable from ``output`` with ``name``."""
+def label_graph(output: Any, name: str, *, stop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """Label the autograd nodes a module's forward created with the module's path.
+
+    Walks back from ``output``. Nodes already labelled by a submodule (their label starts with
+    ``name + "."``) keep their label and are walked through; the walk stops at the module's input nodes
+    (``stop``), at nodes of modules that are not submodules (they ran before), and at leaves.
+    """
+    prefix = name + "."
+    seen: set[int] = set()
     stack = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        meta = node.metadata
-        if LABEL in meta:
+        key = id(node)
+        if key in seen or key in stop:
             continue
-        meta[LABEL] = name
+        seen.add(key)
+        meta = node.metadata
+        label = meta.get(LABEL)
+        if label is None:
+            meta[LABEL] = name
+        elif not label.startswith(prefix):
+            continue
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not hasattr(nxt, "variable"))

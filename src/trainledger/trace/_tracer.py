@@ -138,7 +138,7 @@ class StepTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace == "prim":  # metadata queries (prim.device, prim.layout): not an op that runs
+        if func.namespace in _NOT_OPS:
             return func(*args, **kwargs)
         index = len(self.events)
         module = self.scopes.current if self.phase == "forward" else self.scopes.backward_scope()
@@ -280,6 +280,9 @@ def _entry(r: _Storage, evidence: Evidence) -> Entry:
 
 
 _ADD = torch.ops.aten.add.Tensor
+# Dispatched but not work on tensors: metadata queries (prim.device) and profiler annotations
+# (``record_function`` inside ``optimizer.step`` and ``zero_grad``).
+_NOT_OPS = frozenset({"prim", "profiler"})
 
 
 def _same_meta(args: tuple[Any, ...], out: Any) -> bool:

@@ -1,0 +1,208 @@
+"""The tracer against independent oracles: the profiler's allocation events, fake vs real, hand counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from trainledger import examples
+from trainledger.errors import InputError
+from trainledger.ledger import Category
+from trainledger.trace import trace
+from trainledger.workload import Workload
+
+
+def profiler_peak(name: str) -> int:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.oracle_profiler", name], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "lora", "seed-423", "moe"])
+def test_traced_peak_equals_the_profilers_allocation_count(name):
+    # No kernel in these models keeps an internal buffer alive at the peak: the trace must be exact.
+    assert trace(examples.build(name)).peak().bytes == profiler_peak(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cnn", "gpt-tiny", "dpo"])
+def test_kernel_internal_workspace_is_small_and_measured(name):
+    # BatchNorm and dropout kernels allocate small internal buffers no tensor shows; measured mode sees them.
+    from trainledger.measure import measure
+
+    traced = trace(examples.build(name)).peak().bytes
+    oracle = profiler_peak(name)
+    assert 0 <= oracle - traced <= 512
+    m = measure(examples.build(name), num_steps=1)
+    assert m.peak_bytes == oracle
+    assert m.unseen_workspace_bytes == oracle - traced
+
+
+FAKEABLE_EXACT = ["gpt-tiny", "mlp", "cnn", "dpo", "autocast-bf16", "bf16-master"]
+
+
+def _signature(led):
+    events = [(e.index, e.phase, e.op, e.module) for e in led.events]
+    entries = sorted(
+        (str(x.category), x.role, x.dtype, x.nbytes, x.alloc_event or -1, x.free_event or -1, x.name)
+        for x in led.entries
+    )
+    return events, entries
+
+
+@pytest.mark.parametrize("name", FAKEABLE_EXACT)
+def test_fake_trace_is_identical_event_by_event(name):
+    real = trace(examples.build(name))
+    fake = trace(examples.build(name), fake=True)
+    assert _signature(real) == _signature(fake)
+    assert fake.meta["fake"] is True
+
+
+def test_fake_trace_restores_the_real_model():
+    w = examples.gpt_tiny()
+    before = {n: p.clone() for n, p in w.model.state_dict().items()}
+    trace(w, fake=True)
+    after = w.model.state_dict()
+    assert all(type(t) is torch.Tensor and torch.equal(t, before[n]) for n, t in after.items())
+    assert w.model.lm_head.weight is w.model.wte.weight  # tying survives the swap
+
+
+def test_data_dependent_shapes_are_a_clear_error_in_fake_mode():
+    with pytest.raises(InputError, match=r"data-dependent shapes.*without --fake"):
+        trace(examples.moe(), fake=True)
+
+
+def test_saved_activations_are_told_apart_from_temporaries():
+    # y = relu(x @ w1) @ w2: the relu output is saved by the second matmul; mm's output is consumed by relu
+    # and not saved (relu saves its *output*).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    w = Workload(model, torch.randn(5, 8), loss_fn=lambda out, b: out.sum(), optimizer=lambda ps: torch.optim.SGD(ps))
+    led = trace(w)
+    acts = led.select(category=Category.ACTIVATIONS)
+    assert [(e.shape, e.owner) for e in acts] == [((5, 16), "1")]  # the relu output, saved once, used by both
+    assert all(e.last_use_event is not None and e.last_use_event < e.free_event for e in acts)
+    assert all(led.events[e.last_use_event].phase == "backward" for e in acts)
+    mm_out = [e for e in led.entries if e.name.startswith("aten.mm#")]
+    assert mm_out and mm_out[0].category == Category.WORKSPACE
+
+
+def test_every_event_has_a_phase_and_backward_events_name_their_module():
+    led = trace(examples.gpt_tiny())
+    phases = {e.phase for e in led.events}
+    assert phases <= {"forward", "backward", "optimizer", "zero_grad"} and "backward" in phases
+    bwd_modules = {e.module for e in led.events if e.phase == "backward"}
+    assert "blocks.0.attn" in bwd_modules and "blocks.3.mlp.fc" in bwd_modules
+
+
+def test_frozen_reference_under_no_grad_works():
+    led = trace(examples.dpo())
+    frozen = sum(e.nbytes for e in led.select(category=Category.FROZEN))
+    w = examples.dpo()
+    assert frozen == sum(p.numel() * p.element_size() for p in w.reference.parameters())
+    assert led.peak().by_category["frozen"] == frozen
+
+
+def test_gradients_and_optimizer_state_are_named():
+    led = trace(examples.mlp())
+    grads = led.select(category=Category.GRADIENTS)
+    w = examples.mlp()
+    assert sorted(e.name for e in grads) == sorted(f"{n}.grad" for n, _ in w.model.named_parameters())
+    assert sum(e.nbytes for e in grads) == sum(p.numel() * 4 for p in w.model.parameters())
+    assert all(led.events[e.free_event - 1].phase == "optimizer" for e in grads)  # freed by zero_grad
+    assert {e.role for e in led.select(category=Category.OPTIMIZER)} == {"momentum_buffer"}
+
+
+def test_gradient_accumulation_is_modelled_in_place():
+    # x feeds two matmuls: the engine adds the two input-gradients in place when untraced.
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = torch.tanh(x)
+            return (self.a(h) + self.b(h)).sum()
+
+    x = torch.randn(64, 32, requires_grad=False)
+    led = trace(Workload(Two(), x, optimizer=lambda ps: torch.optim.SGD(ps)))
+    adds = [e for e in led.entries if e.name.startswith("aten.add.Tensor#") and e.category == Category.WORKSPACE]
+    bwd_adds = [e for e in adds if led.events[e.alloc_event].phase == "backward"]
+    assert bwd_adds == []  # folded into the first gradient, as InputBuffer::accumulate does
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        raise RuntimeError("kaboom")
+
+
+@pytest.mark.parametrize(
+    ("workload", "fragment"),
+    [
+        (lambda: Workload(Boom(), torch.randn(3, 2)), "raised RuntimeError: kaboom"),
+        (lambda: Workload(nn.Linear(2, 3), torch.randn(4, 2)), "not a scalar"),
+        (
+            lambda: Workload(nn.Linear(2, 1), torch.randn(4, 2), loss_fn=lambda o, b: o.detach().sum()),
+            "does not require grad",
+        ),
+        (lambda: Workload(nn.Linear(2, 1).requires_grad_(False), torch.randn(4, 2)), "no trainable parameters"),
+    ],
+)
+def test_bad_steps_fail_clearly_and_leave_nothing_behind(workload, fragment):
+    import torch.nn.modules.module as mm
+
+    before = (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks))
+    with pytest.raises(InputError, match=fragment):
+        trace(workload())
+    assert (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)) == before
+    assert _get_current_dispatch_mode_stack() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    # and the process can still trace normally afterwards
+    assert trace(examples.mlp()).peak().bytes > 0
+
+
+def test_cli_trace_json_and_outputs(cli, tmp_path):
+    png, snap, perf = tmp_path / "s.png", tmp_path / "s.pickle", tmp_path / "p.json"
+    code, out, err = cli(
+        "trace",
+        "--model",
+        "mlp",
+        "--json",
+        "--plot",
+        str(png),
+        "--export-memory-viz",
+        str(snap),
+        "--export-perfetto",
+        str(perf),
+    )
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["evidence"] == "traced" and d["peak"]["bytes"] == trace(examples.mlp()).peak().bytes
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and snap.stat().st_size > 0
+    assert json.loads(perf.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["trace"], "give --model"),
+        (["trace", "--model", "mlp", "--plot", "x.gif"], "accepted: .png, .svg"),
+        (["trace", "--model", "mlp", "--fake", "--measure"], "cannot be combined"),
+        (["trace", "--model", "moe", "--fake"], "data-dependent"),
+    ],
+)
+def test_cli_trace_bad_input(cli, argv, fragment):
+    code, _, err = cli(*argv)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
