@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import os
@@ -408,7 +409,9 @@ def test_an_input_file_is_never_overwritten(tmp_path):
 
 # --- the picture -----------------------------------------------------------------------------------------
 
-pytest.importorskip("matplotlib")
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib is optional (trainledger[plot])"
+)
 
 
 def _png_size(raw: bytes) -> tuple[int, int]:
@@ -416,6 +419,7 @@ def _png_size(raw: bytes) -> tuple[int, int]:
     return struct.unpack(">II", raw[16:24])
 
 
+@needs_matplotlib
 def test_plot_png_and_svg_are_valid(tmp_path):
     from trainledger.report.plot import plot_timeline
 
@@ -425,6 +429,7 @@ def test_plot_png_and_svg_are_valid(tmp_path):
     assert ET.parse(svg).getroot().tag == "{http://www.w3.org/2000/svg}svg"
 
 
+@needs_matplotlib
 def test_plot_content_matches_the_ledger():
     from matplotlib.colors import to_hex
 
@@ -448,6 +453,7 @@ def test_plot_content_matches_the_ledger():
     assert tops == pytest.approx(HAND_PEAK / 1024)
 
 
+@needs_matplotlib
 def test_plot_rejects_other_suffixes_and_protects_inputs(tmp_path):
     from trainledger.report.plot import plot_timeline
 
@@ -469,18 +475,30 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     assert not (tmp_path / "step.png").exists()
 
 
+@needs_matplotlib
 def test_plot_of_an_untraced_ledger(tmp_path):
-    from trainledger.report.plot import plot_timeline
+    from trainledger.report.plot import plot_timeline, timeline_figure
 
     w = Entry("w", C.WEIGHTS, "param", "bfloat16", 3 * 2**29, 3 * 2**30)
     path = plot_timeline(Ledger((w,)), tmp_path / "state.png")
     assert _png_size(path.read_bytes()) == (1440, 720)
+    (ax,) = timeline_figure(Ledger((w,))).axes
+    assert ax.get_ylabel() == "live memory (GiB, 1 GiB = 2^30 bytes)"
+    texts = [t.get_text() for t in ax.texts]
+    assert "total 3.00 GiB (inventoried state; not a peak: activations and workspace need a trace)" in texts
+    assert ax.get_title(loc="left") == "training state (evidence: inventoried, cpu)"
+    analytic = Ledger((w,), (Event(0, "forward"), Event(1, "backward")), evidence=Evidence.ANALYTIC)
+    analytic_texts = [t.get_text() for t in timeline_figure(analytic).axes[0].texts]
+    assert "estimated peak 3.00 GiB (forward; analytic)" in analytic_texts
+    # An empty ledger still draws (no legend, nothing stacked) instead of failing.
+    assert _png_size(plot_timeline(Ledger(()), tmp_path / "empty.png").read_bytes()) == (1440, 720)
 
 
 # --- a real traced step, and a large ledger ----------------------------------------------------------------
 
 
 @pytest.mark.slow
+@needs_matplotlib
 def test_traced_gpt_tiny_exports_agree_with_its_ledger(tmp_path):
     trace = pytest.importorskip("trainledger.trace")
     from trainledger.examples import gpt_tiny

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainledger.errors import InputError
-from trainledger.ledger import CATEGORY_ORDER, Entry, Event, Ledger
+from trainledger.ledger import CATEGORY_ORDER, Entry, Event, Evidence, Ledger
 from trainledger.units import format_bytes
 
 # Smallest block of the CUDA caching allocator (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp).
@@ -436,14 +436,13 @@ def to_perfetto(ledger: Ledger) -> dict[str, Any]:
     )
 
     pk = ledger.peak()
-    where = _where(pk.op, pk.module, pk.phase)
     out.append(
         {
             "ph": "i",
             "s": "g",
             "pid": _PID,
             "tid": _TID_OPS,
-            "name": f"peak {format_bytes(pk.bytes)}{where}",
+            "name": peak_label(ledger, format_bytes(pk.bytes)),
             "ts": starts[pk.event],
             "args": {"bytes": pk.bytes, "event": pk.event, **{f"bytes.{k}": v for k, v in pk.by_category.items()}},
         }
@@ -451,11 +450,23 @@ def to_perfetto(ledger: Ledger) -> dict[str, Any]:
     return {"traceEvents": out, "otherData": ledger.to_dict(entries=False)}
 
 
-def _where(op: str, module: str, phase: str) -> str:
-    where = f" at {op}" if op else ""
-    if module:
-        where += f" in {module}"
-    return f"{where} ({phase})" if phase else where
+def peak_label(ledger: Ledger, size: str) -> str:
+    """What the marked instant is called: a peak only with traced or measured evidence (the design's rule).
+
+    Example:
+        >>> from trainledger.ledger import Category, Entry, Ledger
+        >>> peak_label(Ledger((Entry("w", Category.WEIGHTS, "param", "float32", 1, 4),)), "4 B")
+        'total 4 B (inventoried state; not a peak: activations and workspace need a trace)'
+    """
+    pk = ledger.peak()
+    where = f" at {pk.op}" if pk.op else ""
+    if pk.module:
+        where += f" in {pk.module}"
+    if ledger.evidence in (Evidence.TRACED, Evidence.MEASURED):
+        return f"peak {size}{where} ({pk.phase})"
+    if ledger.evidence == Evidence.ANALYTIC:
+        return f"estimated peak {size}{where} ({pk.phase}; analytic)"
+    return f"total {size} ({ledger.evidence} state; not a peak: activations and workspace need a trace)"
 
 
 def _nested_slices(

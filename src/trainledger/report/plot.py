@@ -14,7 +14,7 @@ from typing import Any
 
 from trainledger.errors import InputError
 from trainledger.ledger import CATEGORY_ORDER, Ledger
-from trainledger.report.exports import check_output_path
+from trainledger.report.exports import check_output_path, peak_label
 
 PLOT_SUFFIXES = (".png", ".svg")
 
@@ -180,10 +180,7 @@ def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
     px, py = peak.event + 0.5, peak.bytes / scale
     ax.axvline(px, color="#222222", lw=0.8, ls=":", zorder=3)
     ax.plot([px], [py], marker="v", color="#222222", ms=7, zorder=4, ls="none")
-    where = f" at {peak.op}" if peak.op else ""
-    if peak.module:
-        where += f" in {peak.module}"
-    label = f"peak {_fmt(peak.bytes, scale, unit)}{where} ({peak.phase})"
+    label = peak_label(ledger, _fmt(peak.bytes, scale, unit))
     right_half = px > n / 2
     ax.annotate(
         label,
@@ -198,14 +195,18 @@ def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
         zorder=5,
     )
 
-    ax.set_xlabel("event (one per op on the step's clock)" if n > 1 else "event")
+    if n > 1:
+        ax.set_xlabel("event (one per op on the step's clock)")
+    else:  # one instant: an x axis would only show meaningless fractions
+        ax.set_xticks([])
     ax.set_ylabel(f"live memory ({unit}, 1 {unit} = {_unit_def(unit)})")
     ax.grid(axis="y", color="#cccccc", lw=0.5, zorder=1)
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_title(title if title is not None else _default_title(ledger), loc="left", fontsize=12)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # an empty ledger has nothing to name
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -222,4 +223,6 @@ def _unit_def(unit: str) -> str:
 def _default_title(ledger: Ledger) -> str:
     model = ledger.meta.get("model")
     head = f"{model}: " if model else ""
+    if ledger.num_events == 1:
+        return f"{head}training state (evidence: {ledger.evidence}, {ledger.device})"
     return f"{head}live memory over one training step (evidence: {ledger.evidence}, {ledger.device})"
