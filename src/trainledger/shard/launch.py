@@ -202,7 +202,7 @@ def run(config: RunConfig) -> RunResult:
     from trainledger.trace import trace
     from trainledger.workload import load_workload
 
-    load_workload(config.model)  # bad model specs fail here, in one line, before any process starts
+    _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
@@ -217,6 +217,17 @@ def run(config: RunConfig) -> RunResult:
         "reduce-scatter: input), counted on each rank",
     )
     return RunResult(config, prediction, reference, ranks, notes)
+
+
+def _check_model_spec(spec: str) -> None:
+    """A built-in name, or an existing ``file.py:factory`` (the factory itself runs in the ranks)."""
+    from trainledger.examples import EXAMPLES
+    from trainledger.workload import load_workload
+
+    path, _, factory = spec.rpartition(":")
+    if spec in EXAMPLES or (path and Path(path).is_file() and factory.isidentifier()):
+        return
+    load_workload(spec)  # raises the one-line error that names what is wrong
 
 
 def _units_of(model: nn.Module) -> tuple[str, ...]:

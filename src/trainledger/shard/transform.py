@@ -349,7 +349,7 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
     ctx = _Context(ledger, config, plan, units)
     ranks = tuple(ctx.rank_ledger(r) for r in range(config.world_size))
     collectives = tuple(ctx.collectives())
-    return ShardResult(config, plan.label, ledger, ranks, collectives, tuple(units), tuple(ctx.notes))
+    return ShardResult(config, plan.label, ledger, ranks, collectives, tuple(units), tuple(dict.fromkeys(ctx.notes)))
 
 
 def _shardable_frozen(e: Entry) -> bool:

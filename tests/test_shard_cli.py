@@ -1,0 +1,67 @@
+"""`trainledger shard` without --run: the declared path reproduces the ZeRO paper; bad input is one line."""
+
+from __future__ import annotations
+
+import pytest
+
+PAPER = ["shard", "--params", "7.5e9", "--weights", "fp16", "--master", "fp32", "--grads", "fp16", "--world", "64"]
+
+
+def test_paper_table_all_stages(cli_json):
+    d = cli_json(*PAPER, "--stage", "all")
+    for key in ("schema", "evidence", "device", "peak", "category_maxima", "sum_of_category_maxima"):
+        assert key in d
+    got = [round(s["model_state_bytes_per_rank"] / 1e9, 1) for s in d["stages"]]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+    # each number names what it leaves out
+    assert all(s["excluded"] for s in d["stages"])
+    assert any("gathered" in x for x in d["stages"][3]["excluded"])
+
+
+def test_single_stage_json_and_link_time(cli_json):
+    d = cli_json(*PAPER, "--stage", "3", "--link-gbps", "100")
+    assert d["evidence"] == "declared"
+    assert d["ranks"][0]["model_state_bytes"] == 1_875_000_000
+    # stage 3 moves 3Ψ fp16 elements per rank: 3 · 2 · 7.5e9 · 63/64 bytes
+    assert sum(d["collective_wire_bytes"].values()) == round(3 * 2 * 7.5e9 * 63 / 64)
+    assert d["stages"][0]["comm_seconds"] == pytest.approx(3 * 2 * 7.5e9 * 63 / 64 / (100e9 / 8))
+
+
+def test_human_table(cli):
+    code, out, err = cli(*PAPER, "--stage", "all")
+    assert code == 0, err
+    assert "120.00 GB" in out and "31.41 GB" in out and "16.64 GB" in out and "1.88 GB" in out
+    assert "excludes" in out
+
+
+def test_traced_model_prediction(cli_json):
+    d = cli_json("shard", "--model", "mlp", "--world", "2", "--stage", "1")
+    assert d["evidence"] == "traced"
+    assert len(d["ranks"]) == 2 and d["shard"]["engine"] == "torch"
+    assert {c["kind"] for c in d["collectives"]} == {"all_reduce", "broadcast"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["shard", "--params", "1e9", "--world", "0"], "--world 0 must be at least 1"),
+        (["shard", "--params", "1e9", "--world", "two"], "--world 'two' is not a whole number"),
+        (["shard", "--params", "1e9", "--stage", "5"], "unknown stage '5'"),
+        (["shard", "--params", "1e9", "--stage", "hybrid_shard", "--world", "6", "--nodes", "4"], "--nodes 4"),
+        (["shard", "--params", "1e9", "--link-gbps", "0"], "--link-gbps 0"),
+        (["shard", "--params", "1e9", "--prefetch", "-1"], "--prefetch -1"),
+        (["shard", "--params", "1e9", "--weights", "fp12"], "unknown dtype 'fp12'"),
+        (["shard"], "give --model"),
+        (["shard", "--params", "1e9", "--model", "mlp"], "not both"),
+        (["shard", "--params", "1e9", "--run"], "--run needs --model"),
+        (["shard", "--model", "mlp", "--run", "--world", "100000"], "more ranks than this machine can run"),
+        (["shard", "--model", "mlp", "--run", "--stage", "all"], "not 'all'"),
+        (["shard", "--model", "mlp", "--run", "--stage", "full_shard"], "--run supports stages 0, 1, 2, 3"),
+        (["shard", "--model", "nope", "--run"], "unknown model 'nope'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
+    code, out, err = cli(*argv)
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
