@@ -1,0 +1,451 @@
+"""The analytic ledger: parameters, optimizer state, gradients, activations and workspace of one step,
+laid on a coarse event clock so that the peak is taken at one instant (no torch).
+
+Events, in order: the reference model's forward (DPO only), the embeddings, each decoder layer, the
+head, the loss; in backward the loss, the logits' cast, the head, each layer in reverse, the embeddings;
+then the optimizer and ``zero_grad``. Activations live from their layer's forward event to its backward
+event; gradients from their module's backward event to ``zero_grad``; workspace for one event.
+
+Workspace (temporaries that are not saved) is modelled at the instants where it matters: the logits and
+their fp32 copy around the loss, the gradient of the logits, a layer's recomputation under full
+rematerialization, the largest transient of a layer's forward and backward (its widest intermediate and
+the gradient of the residual stream), and the optimizer's temporaries (AdamW's ``sqrt``/``div`` pair per
+tensor on CPU; one state-sized list of temporaries with ``foreach`` on CUDA). Not modelled: allocator
+rounding and fragmentation, communication buffers of tensor/pipeline parallelism, framework objects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from trainledger.analytic._activations import (
+    Saved,
+    embedding_saved,
+    head_saved,
+    layer_saved,
+    lora_targets,
+    loss_saved,
+)
+from trainledger.analytic._config import ArchSpec
+from trainledger.analytic._params import ParamTensor, param_tensors
+from trainledger.analytic._setup import Setup
+from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
+from trainledger.units import DTYPE_BYTES
+
+EXCLUDED = (
+    "analytic estimate (a closed-form model of the step, not a trace): excluded are allocator rounding and "
+    "fragmentation, tensor/pipeline-parallel communication buffers, kernels' internal scratch memory, and "
+    "framework objects"
+)
+
+
+def _div(numel: int, parts: int) -> int:
+    return -(-numel // parts)
+
+
+class _Builder:
+    def __init__(self, spec: ArchSpec, setup: Setup, stage: int) -> None:
+        self.spec, self.setup, self.stage = spec, setup, stage
+        self.events: list[Event] = []
+        self.entries: list[Entry] = []
+        self.a = setup.weight_dtype
+        p = setup.pipeline_parallel
+        L = spec.num_layers
+        per = _div(L, p)
+        self.layers = list(range(stage * per, min(L, (stage + 1) * per)))
+        self.first = stage == 0
+        self.last = stage == p - 1
+        self.in_flight = p - stage  # 1F1B: stage s holds p - s micro-batches' activations
+        self.rows = setup.micro_batch * (2 if setup.reference else 1)
+        self.t = setup.tensor_parallel
+
+    # --- helpers ---
+
+    def event(self, phase: str, op: str, module: str) -> int:
+        self.events.append(Event(len(self.events), phase, op, module))
+        return len(self.events) - 1
+
+    def add(self, name: str, category: Category, role: str, dtype: str, numel: int, **kw: object) -> None:
+        if numel <= 0:
+            return
+        self.entries.append(
+            Entry(
+                name=name,
+                category=category,
+                role=role,
+                dtype=dtype,
+                numel=numel,
+                nbytes=numel * DTYPE_BYTES[dtype],
+                device=self.setup.device,
+                owner=str(kw.pop("owner", name)),
+                evidence=Evidence.ANALYTIC,
+                **kw,  # type: ignore[arg-type]
+            )
+        )
+
+    def tp_numel(self, s: Saved) -> int:
+        if self.t > 1 and (s.tp_split or self.setup.sequence_parallel):
+            return _div(s.numel, self.t)
+        return s.numel
+
+    def saved(self, pieces: Iterable[Saved], alloc: int, free: int, owner: str, extra: int = 0) -> None:
+        for s in pieces:
+            n = self.tp_numel(s)
+            self.add(s.name, Category.ACTIVATIONS, "saved", s.dtype, n, owner=owner, alloc_event=alloc, free_event=free)
+            for k in range(extra):  # earlier micro-batches still in flight (1F1B), held across the step
+                self.add(f"{s.name}@mb{k + 1}", Category.ACTIVATIONS, "saved", s.dtype, n, owner=owner)
+
+    def work(self, name: str, dtype: str, numel: int, at: int, until: int | None = None, owner: str = "") -> None:
+        self.add(
+            name,
+            Category.WORKSPACE,
+            "temporary",
+            dtype,
+            numel,
+            owner=owner or name,
+            alloc_event=at,
+            free_event=(at + 1) if until is None else until,
+        )
+
+    # --- parameters ---
+
+    def params(self) -> list[ParamTensor]:
+        keep = []
+        for p in param_tensors(self.spec):
+            if p.layer is not None:
+                if p.layer in self.layers:
+                    keep.append(p)
+            elif self._owns_nonlayer(p.name):
+                keep.append(p)
+        return keep
+
+    def _owns_nonlayer(self, name: str) -> bool:
+        embed = any(k in name for k in ("embed_tokens", "embed_in", "wte", "wpe"))
+        if embed:  # stage 0; a tied head also keeps a copy on the last stage (Megatron does the same)
+            return self.first or (self.last and self.spec.tied and "wpe" not in name)
+        return self.last  # final norm and head
+
+    def build(self) -> Ledger:
+        spec, setup = self.spec, self.setup
+        t = self.t
+        params = self.params()
+        targets = lora_targets(setup, spec) if setup.lora_rank else ()
+        trainable: list[tuple[str, int, str, int | None, tuple[int, ...]]] = []  # name, numel, module, layer
+        for p in params:
+            n = _div(p.numel, t) if p.tp_split and t > 1 else p.numel
+            module = _module_of(p.name)
+            if setup.lora_rank:
+                self.add(p.name, Category.FROZEN, "param", self.a, n, shape=p.shape)
+                if p.lora_target in targets and p.name.endswith(".weight"):
+                    d_in, d_out = p.lora_dims
+                    base = p.name.removesuffix(".weight")
+                    r = setup.lora_rank
+                    for nm, numel, shape in (
+                        (f"{base}.lora_A", r * d_in, (r, d_in)),
+                        (f"{base}.lora_B", d_out * r, (d_out, r)),
+                    ):
+                        self.add(nm, Category.WEIGHTS, "param", self.a, numel, shape=shape)
+                        trainable.append((nm, numel, module, p.layer, shape))
+            else:
+                self.add(p.name, Category.WEIGHTS, "param", self.a, n, shape=p.shape)
+                trainable.append((p.name, n, module, p.layer, p.shape))
+        if setup.reference:
+            for p in params:
+                n = _div(p.numel, t) if p.tp_split and t > 1 else p.numel
+                self.add(f"reference.{p.name}", Category.FROZEN, "reference", self.a, n, shape=p.shape)
+        for name, n, _module, _layer, shape in trainable:
+            if setup.master_dtype:
+                self.add(f"optimizer.{name}.master", Category.OPTIMIZER, "master", setup.master_dtype, n, shape=shape)
+            for role in setup.optimizer_roles:
+                self.add(f"optimizer.{name}.{role}", Category.OPTIMIZER, role, setup.moment_dtype, n, shape=shape)
+            if setup.has_step_counter:
+                self.add(f"optimizer.{name}.step", Category.OPTIMIZER, "step", "float32", 1)
+        if spec.rotary_dim and (self.first or self.last):  # rotary inverse frequencies and their original copy
+            for name in ("inv_freq", "original_inv_freq"):
+                self.add(f"rotary_emb.{name}", Category.OTHER, "buffer", "float32", spec.rotary_dim // 2)
+        # the batch: token ids (the labels are the same tensor); DPO: chosen and rejected
+        N = self.rows * setup.seq_len
+        self.add("batch.input_ids", Category.INPUTS, "batch", "int64", N)
+        self._clock(trainable)
+        return Ledger(tuple(self.entries), tuple(self.events), evidence=Evidence.ANALYTIC, device=setup.device)
+
+    # --- the clock ---
+
+    def _clock(self, trainable: list[tuple[str, int, str, int | None, tuple[int, ...]]]) -> None:
+        spec, setup = self.spec, self.setup
+        a, rows, T, t = self.a, self.rows, setup.seq_len, self.t
+        N = rows * T
+        H, V = spec.hidden_size, spec.vocab_size
+        NV = _div(N * V, t)  # vocabulary-parallel logits
+        NH = N * H if not setup.sequence_parallel else _div(N * H, t)
+        extra = self.in_flight - 1
+        fwd: dict[str, int] = {}
+        if setup.reference and self.last:
+            e = self.event("forward", "reference", "reference")
+            # under no_grad nothing is saved; the reference's logits, their fp32 copy and log-softmax at once
+            self.work("reference.logits", a, NV, e)
+            self.work("reference.logits_fp32", "float32", NV, e)
+            self.work("reference.log_softmax", "float32", NV, e)
+        if self.first:
+            fwd["embed"] = self.event("forward", "embedding", _embed_module(spec))
+        for i in self.layers:
+            lm = _layer_module(spec, i)
+            fwd[f"attn{i}"] = self.event("forward", "attention_block", f"{lm}.{_ATTN}")
+            fwd[f"mlp{i}"] = self.event("forward", "mlp_block", f"{lm}.{_MLP}")
+        if self.last:
+            fwd["head"] = self.event("forward", "lm_head", "lm_head")
+            fwd["loss"] = self.event("forward", "cross_entropy", "loss")
+        bwd: dict[str, int] = {}
+        if self.last:
+            bwd["loss"] = self.event("backward", "log_softmax_backward", "loss")
+            bwd["cast"] = self.event("backward", "logits_cast_backward", "lm_head")
+            bwd["head"] = self.event("backward", "lm_head_backward", "lm_head")
+        for i in reversed(self.layers):
+            lm = _layer_module(spec, i)
+            # each block's output projection first (its weight gradient, its saved input released), then the rest
+            bwd[f"mlp_out{i}"] = self.event("backward", "mlp_output_backward", f"{lm}.{_MLP}")
+            bwd[f"mlp{i}"] = self.event("backward", "mlp_block_backward", f"{lm}.{_MLP}")
+            bwd[f"attn_out{i}"] = self.event("backward", "attention_output_backward", f"{lm}.{_ATTN}")
+            bwd[f"attn{i}"] = self.event("backward", "attention_block_backward", f"{lm}.{_ATTN}")
+        if self.first:
+            bwd["embed"] = self.event("backward", "embedding_backward", _embed_module(spec))
+        opt = self.event("optimizer", "step", "")
+        zero = self.event("zero_grad", "zero_grad", "")
+
+        # activations
+        if self.first:
+            first = f"attn{self.layers[0]}" if self.layers else "embed"
+            self.saved(embedding_saved(spec, setup, rows), fwd["embed"], bwd[first] + 1, "embedding", extra)
+            if setup.attn_impl == "eager":  # the 4-D causal mask, built once and read by every layer
+                end = fwd["head"] if self.last else opt
+                self.work("causal_mask", a, rows * T * T, fwd["embed"], end)
+        for i in self.layers:
+            lm = _layer_module(spec, i)
+            pieces = layer_saved(spec, setup, rows, i)
+            if setup.remat == "selective":
+                pieces = [s for s in pieces if not s.core]
+            checkpointed = setup.remat == "full" and (i - self.layers[0]) % setup.remat_every == 0
+            if checkpointed:
+                kept = [Saved(f"{lm}.checkpoint.input", N * H, a, False)]
+                self.saved(kept, fwd[f"attn{i}"], bwd[f"attn{i}"] + 1, lm, extra)
+                # recomputed at the start of the layer's backward: its saved tensors live again until used
+                for s in pieces:
+                    blk = _block_of(s.name)
+                    until = bwd[f"{_release_of(s.name)}{i}"] + 1
+                    self.work(f"{s.name}.recomputed", s.dtype, self.tp_numel(s), bwd[f"mlp_out{i}"], until)
+            else:
+                for s in pieces:
+                    blk = _block_of(s.name)
+                    self.saved([s], fwd[f"{blk}{i}"], bwd[f"{_release_of(s.name)}{i}"] + 1, lm, extra)
+        if self.last:
+            self.saved(head_saved(spec, setup, rows), fwd["head"], bwd["head"] + 1, "lm_head")
+            self.saved(loss_saved(spec, setup, rows), fwd["loss"], bwd["loss"] + 1, "loss")
+
+        # workspace around the loss: bf16 logits held in the output until the loss is computed, their fp32
+        # copy, the gradient of log-softmax's input and output, then the cast back to the logits' dtype
+        if self.last:
+            self.work("logits", a, NV, fwd["head"], fwd["loss"] + 1)
+            if a != "float32":
+                self.work("logits.fp32", "float32", NV, fwd["loss"])
+            self.work("log_softmax.grad_output", "float32", NV, bwd["loss"])
+            self.work("log_softmax.grad_input", "float32", NV, bwd["loss"], bwd["cast"] + 1)
+            if a != "float32":
+                self.work("logits.grad", a, NV, bwd["cast"], bwd["head"] + 1)
+            self.work("lm_head.grad_input", a, NH, bwd["head"])
+
+        # a layer's transients: the block's output beside its input in forward (and the MLP's widest
+        # intermediate); in backward the gradients of the block's intermediates and of the residual stream
+        for i in self.layers:
+            lm = _layer_module(spec, i)
+            mlp_w, attn_w = _backward_widths(spec, setup, rows, t)
+            self.work(f"{lm}.attention.output", a, NH, fwd[f"attn{i}"])
+            self.work(f"{lm}.mlp.output", a, NH + _div(N * _mlp_width(spec), t), fwd[f"mlp{i}"])
+            self.work(f"{lm}.mlp.output_grads", a, NH + _div(N * _mlp_width(spec), t), bwd[f"mlp_out{i}"])
+            self.work(f"{lm}.mlp.grads", a, NH + mlp_w, bwd[f"mlp{i}"])
+            self.work(f"{lm}.attention.output_grads", a, 2 * NH, bwd[f"attn_out{i}"])
+            self.work(f"{lm}.attention.grads", attn_w[1], attn_w[0], bwd[f"attn{i}"])
+            self.work(f"{lm}.residual.grad", a, NH, bwd[f"attn{i}"])
+
+        # gradients: produced at their module's backward event, freed by zero_grad
+        for name, n, module, layer, shape in trainable:
+            if layer is not None:
+                at = bwd[f"{_release_of(name)}{layer}"]
+            elif module in ("lm_head",) or "ln_f" in name or "norm" in name or "final_layer" in name:
+                at = bwd["head"] if self.last else bwd.get("embed", opt)
+            else:
+                at = bwd.get("embed", opt)
+            self.add(
+                f"{name}.grad", Category.GRADIENTS, "grad", self.a, n, alloc_event=at, free_event=zero, shape=shape
+            )
+            if self.setup.master_dtype:
+                self.add(
+                    f"{name}.master.grad",
+                    Category.GRADIENTS,
+                    "master_grad",
+                    self.setup.master_dtype,
+                    n,
+                    alloc_event=opt,
+                    free_event=zero,
+                    shape=shape,
+                )
+        if self.first and spec.tied and setup.lora_rank == 0:
+            # the embedding's own gradient is computed whole, then accumulated into the head's
+            self.work("embedding.grad_contribution", a, _div(V * H, t), bwd["embed"])
+
+        # optimizer temporaries
+        state = self.setup.master_dtype or self.setup.moment_dtype
+        if self.setup.optimizer in ("adamw", "adam") and trainable:
+            if self.setup.device == "cpu":  # per tensor: sqrt(v) and sqrt(v)/c live together
+                self.work("optimizer.denominator", state, 2 * max(n for _, n, *_ in trainable), opt)
+            else:  # foreach: one temporary per state tensor, all at once
+                self.work("optimizer.denominator", state, sum(n for _, n, *_ in trainable), opt)
+
+
+_ATTN, _MLP = "attention", "mlp"
+_MLP_KEYS = ("mlp.", "post_attention_layernorm", "ln_2", "resid_dropout1")
+
+
+def _block_of(name: str) -> str:
+    """Which half of a decoder layer a saved tensor or a parameter belongs to."""
+    return "mlp" if any(k in name for k in _MLP_KEYS) else "attn"
+
+
+_OUTPUT_PROJECTIONS = {
+    "mlp_out": (
+        "down_proj",
+        "mlp.c_proj",
+        "dense_4h_to_h",
+        "fc2",
+        "mlp.down.input",
+        "experts.product",
+        "experts.down",
+        "experts.routing_weight",
+        "experts.scatter_index",
+    ),
+    "attn_out": ("o_proj", "attn.c_proj", "attention.dense", "self_attn.dense"),
+}
+
+
+def _release_of(name: str) -> str:
+    """The backward event that releases a saved tensor or produces a parameter's gradient."""
+    for event, keys in _OUTPUT_PROJECTIONS.items():
+        if any(k in name for k in keys):
+            return event
+    return _block_of(name)
+
+
+def _mlp_width(spec: ArchSpec) -> int:
+    if spec.moe:
+        return spec.intermediate_size * spec.top_k
+    return spec.intermediate_size
+
+
+def _backward_widths(spec: ArchSpec, setup: Setup, rows: int, t: int) -> tuple[int, tuple[int, str]]:
+    """Elements of the gradients in flight during a block's backward: the MLP's (three of its width) and
+    the attention's (the T×T gradients in eager, in fp32 for the fp32-softmax families; q, k, v otherwise)."""
+    N = rows * setup.seq_len
+    if spec.moe:  # the experts' gate/up gradients and the gathered tokens' gradient
+        mlp = 2 * _div(N * _mlp_width(spec), t) + _div(N * spec.top_k * spec.hidden_size, t)
+    else:
+        mlp = 3 * _div(N * _mlp_width(spec), t)
+    if setup.attn_impl == "eager":
+        scores = 2 * _div(rows * spec.num_heads * setup.seq_len * setup.seq_len, t)
+        return mlp, (scores, setup.weight_dtype if spec.family == "gpt2" else "float32")
+    return mlp, (3 * _div(N * spec.num_heads * spec.head_dim, t), setup.weight_dtype)
+
+
+def _layer_module(spec: ArchSpec, i: int) -> str:
+    return {"gpt2": f"transformer.h.{i}", "gpt_neox": f"gpt_neox.layers.{i}"}.get(spec.family, f"model.layers.{i}")
+
+
+def _embed_module(spec: ArchSpec) -> str:
+    return {"gpt2": "transformer.wte", "gpt_neox": "gpt_neox.embed_in"}.get(spec.family, "model.embed_tokens")
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
+    """The analytic ledger of one training step of ``spec`` run as ``setup`` (one rank, before ZeRO).
+
+    With pipeline parallelism the ledger is of ``setup.pipeline_stage`` (default: the stage whose peak is
+    largest). Shard it across data-parallel ranks with :func:`trainledger.shard.shard`.
+
+    Example:
+        >>> from trainledger.analytic import arch_from_config
+        >>> spec = arch_from_config({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+        ...     "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32})
+        >>> led = analytic_ledger(spec, Setup(micro_batch=1, seq_len=4096))
+        >>> led.evidence.value, led.num_params()
+        ('analytic', 6738415616)
+    """
+    if setup.pipeline_parallel > spec.num_layers:
+        from trainledger.errors import InputError
+
+        raise InputError(f"--pipeline-parallel {setup.pipeline_parallel} exceeds the model's {spec.num_layers} layers")
+    if setup.tensor_parallel > 1 and spec.num_kv_heads % setup.tensor_parallel:
+        from trainledger.errors import InputError
+
+        raise InputError(
+            f"--tensor-parallel {setup.tensor_parallel} does not divide the {spec.num_kv_heads} key/value heads"
+        )
+    stages = [setup.pipeline_stage] if setup.pipeline_stage is not None else list(range(setup.pipeline_parallel))
+    best: Ledger | None = None
+    for s in stages:
+        led = _Builder(spec, setup, s).build()
+        if best is None or led.peak().bytes > best.peak().bytes:
+            best = led
+            chosen = s
+    assert best is not None
+    notes = [EXCLUDED]
+    if setup.lora_rank:
+        notes.append(
+            "LoRA: the first layers before any adapter save less than modelled (nothing there needs a gradient)"
+        )
+    if setup.pipeline_parallel > 1:
+        notes.append(
+            f"pipeline stage {chosen} of {setup.pipeline_parallel} (1F1B: {setup.pipeline_parallel - chosen} "
+            "micro-batches of activations in flight)"
+        )
+    meta = {
+        "family": spec.family,
+        "num_params": sum(p.numel for p in param_tensors(spec)),
+        "num_trainable_params": best.num_params(),
+        "setup": {k: v for k, v in setup.__dict__.items() if k != "notes"},
+        "pipeline_stage": chosen,
+    }
+    return Ledger(
+        best.entries, best.events, evidence=Evidence.ANALYTIC, device=setup.device, notes=tuple(notes), meta=meta
+    )
+
+
+def saved_bytes_per_layer(spec: ArchSpec, setup: Setup, layer: int = 0) -> int:
+    """Bytes one decoder layer saves for backward (before tensor/sequence parallel division)."""
+    rows = setup.micro_batch * (2 if setup.reference else 1)
+    return sum(s.nbytes for s in layer_saved(spec, setup, rows, layer))
+
+
+def step_flops(spec: ArchSpec, setup: Setup) -> tuple[float, float]:
+    """Forward and backward FLOPs of one micro-batch (matmuls only; Narayanan et al. 2021, eq. 3 terms).
+
+    Returns ``(forward, recompute)``: backward is twice forward; ``recompute`` is what rematerialization
+    adds (a layer's forward again under ``full``; the attention scores and values under ``selective``).
+    """
+    rows = setup.micro_batch * (2 if setup.reference else 1)
+    N = rows * setup.seq_len
+    H, I, L, V = spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.vocab_size
+    q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    proj = H * (2 * q_out + 2 * kv_out)
+    mlp = (3 if spec.gated_mlp else 2) * H * I * (spec.top_k if spec.moe else 1)
+    attn = 2 * setup.seq_len * q_out  # QKᵀ and PV per token
+    per_layer = 2 * N * (proj + mlp + attn)
+    forward = L * per_layer + 2 * N * H * V
+    if setup.remat == "full":
+        recompute = math.ceil(L / setup.remat_every) * per_layer
+    elif setup.remat == "selective":
+        recompute = L * 2 * N * attn
+    else:
+        recompute = 0.0
+    return float(forward), float(recompute)
