@@ -18,12 +18,14 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from trainledger.ledger import Evidence, Ledger
 from trainledger.trace import trace
@@ -91,8 +93,11 @@ def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
         workload: the step's ingredients (its model runs for real: not fake).
         num_steps: plain steps timed for the median step time.
     """
-    ledger = trace(workload)
     device = _device_of(workload)
+    before = _snapshot(workload)
+    ledger = trace(workload)  # a warm-up step, then the traced step
+    _restore(workload, before)  # measure that same step: same weights, optimizer state and random numbers
+    run_step(workload)
     if device.startswith("cuda"):
         peak, start, reserved = _cuda_peak(workload)
         start_source = "allocator"
@@ -108,6 +113,27 @@ def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return Measurement(device, peak, start, start_source, reserved, tuple(times), ledger)
+
+
+def _snapshot(workload: Workload) -> dict[str, Any]:
+    """Copies (on the CPU, outside the measured device's memory) of everything a step changes."""
+    to_cpu = lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t)  # noqa: E731
+    state = {
+        "model": {k: to_cpu(v) for k, v in workload.model.state_dict().items()},
+        "optimizer": tree_map(to_cpu, workload.get_optimizer().state_dict()),
+        "cpu_rng": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore(workload: Workload, state: dict[str, Any]) -> None:
+    workload.model.load_state_dict(state["model"])
+    workload.get_optimizer().load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["cpu_rng"])
+    if "cuda_rng" in state:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 def _device_of(workload: Workload) -> str:
