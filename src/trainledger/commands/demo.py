@@ -5,11 +5,20 @@ from __future__ import annotations
 import argparse
 
 from rich.rule import Rule
+from rich.text import Text
 
 from trainledger.commands import state as state_cmd
-from trainledger.examples import seed_423
+from trainledger.commands import trace as trace_cmd
+from trainledger.examples import gpt_tiny, seed_423
 from trainledger.report.terminal import make_console
 from trainledger.state import workload_state
+
+NEXT_STEPS = """\
+next:
+  trainledger trace --model gpt-tiny --plot step.png      the same trace as a picture
+  trainledger trace --model gpt-tiny --measure            beside the allocator's own counters
+  trainledger state --params 7e9 --weights bf16 --master fp32 --optimizer adamw
+  trainledger state --model path/to/your_file.py:factory  your own model (factory() returns trainledger.Workload)"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainledger.trace import trace
+
     console = make_console()
-    console.print(Rule("the seed's fixture: 423 float64 parameters, Adam, a frozen reference copy"))
+    console.print(Rule("1. persistent state: the seed's 423 float64 parameters, Adam, a frozen reference copy"))
     state_cmd.render(workload_state(seed_423()), console)
+    console.print(Rule("2. one traced training step of a small GPT: what is live at the peak instant"))
+    trace_cmd.render(trace(gpt_tiny()), console)
+    console.print(Text(NEXT_STEPS))
     return 0
