@@ -29,9 +29,11 @@ from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.report.exports import (
     ALIGN_BYTES,
+    check_export_paths,
     event_times_us,
     to_memory_viz_snapshot,
     to_perfetto,
+    write_exports,
     write_ledger_json,
     write_memory_viz,
     write_perfetto,
@@ -405,6 +407,43 @@ def test_an_input_file_is_never_overwritten(tmp_path):
     (tmp_path / "dir.json").mkdir()
     with pytest.raises(InputError, match="is a folder"):
         write_perfetto(hand_ledger(), tmp_path / "dir.json")
+
+
+def test_check_export_paths_then_write_exports(tmp_path):
+    paths = check_export_paths(
+        memory_viz=tmp_path / "s.pkl", perfetto=tmp_path / "t.json", ledger_json=tmp_path / "l.json"
+    )
+    written = write_exports(hand_ledger(), paths)
+    assert written == {
+        k: str(tmp_path / n) for k, n in [("memory_viz", "s.pkl"), ("perfetto", "t.json"), ("ledger_json", "l.json")]
+    }
+    assert Ledger.from_dict(json.loads((tmp_path / "l.json").read_text())).totals() == HAND_TOTALS
+    assert pickle.loads((tmp_path / "s.pkl").read_bytes()) == to_memory_viz_snapshot(hand_ledger())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (
+            {"perfetto": "a.json", "ledger_json": "./a.json"},
+            "ledger JSON path './a.json' is also the Perfetto trace path",
+        ),
+        ({"memory_viz": "a.json"}, "memory_viz snapshot path 'a.json' has suffix '.json'; accepted: .pickle, .pkl"),
+        ({"plot": "a.pdf"}, "plot path 'a.pdf' has suffix '.pdf'; accepted: .png, .svg"),
+        ({"ledger_json": "model.json", "protect": ["model.json"]}, "is one of the inputs"),
+    ],
+)
+def test_bad_export_paths_are_caught_before_any_work(tmp_path, monkeypatch, kwargs, fragment):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        check_export_paths(**kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_step(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(InputError, match=re.escape("pip install 'trainledger[plot]'")):
+        check_export_paths(perfetto=tmp_path / "t.json", plot=tmp_path / "p.png")
 
 
 # --- the picture -----------------------------------------------------------------------------------------

@@ -37,8 +37,9 @@ import os
 import pickle
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainledger.errors import InputError
 from trainledger.ledger import CATEGORY_ORDER, Entry, Event, Evidence, Ledger
@@ -53,6 +54,7 @@ BASE_ADDRESS = 0x7F00_0000_0000
 # memory_viz's unpickler (``unpickle`` in torch/utils/viz/MemoryViz.js) accepts protocols 2 to 4.
 PICKLE_PROTOCOL = 4
 
+PLOT_SUFFIXES = (".png", ".svg")
 MEMORY_VIZ_SUFFIXES = (".pickle", ".pkl")
 PERFETTO_SUFFIXES = (".json",)
 LEDGER_JSON_SUFFIXES = (".json",)
@@ -552,3 +554,99 @@ def write_ledger_json(
     out = check_output_path(path, LEDGER_JSON_SUFFIXES, what="ledger JSON", protect=protect)
     data = ledger.to_dict()
     return _atomic_write(out, lambda f: json.dump(data, f), binary=False)
+
+
+# --- several at once, checked before the step runs -------------------------------------------------------
+
+ExportKind = Literal["plot", "memory_viz", "perfetto", "ledger_json"]
+EXPORT_KINDS: tuple[ExportKind, ...] = ("plot", "memory_viz", "perfetto", "ledger_json")
+_WHAT = {
+    "plot": "plot",
+    "memory_viz": "memory_viz snapshot",
+    "perfetto": "Perfetto trace",
+    "ledger_json": "ledger JSON",
+}
+_SUFFIXES = {
+    "plot": PLOT_SUFFIXES,
+    "memory_viz": MEMORY_VIZ_SUFFIXES,
+    "perfetto": PERFETTO_SUFFIXES,
+    "ledger_json": LEDGER_JSON_SUFFIXES,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportPaths:
+    """Where to write each export; ``None``: not wanted. Build it with :func:`check_export_paths`."""
+
+    plot: Path | None = None
+    """PNG or SVG picture (:func:`trainledger.report.plot.plot_timeline`)."""
+    memory_viz: Path | None = None
+    """Pickled ``torch.cuda.memory._snapshot()`` dictionary (:func:`write_memory_viz`)."""
+    perfetto: Path | None = None
+    """Chrome trace-event JSON (:func:`write_perfetto`)."""
+    ledger_json: Path | None = None
+    """The ledger itself (:func:`write_ledger_json`)."""
+    protect: tuple[Path, ...] = ()
+    """The user's input files, never written over."""
+
+    def requested(self) -> dict[str, Path]:
+        return {k: p for k in EXPORT_KINDS if (p := getattr(self, k)) is not None}
+
+
+def check_export_paths(
+    *,
+    plot: str | os.PathLike[str] | None = None,
+    memory_viz: str | os.PathLike[str] | None = None,
+    perfetto: str | os.PathLike[str] | None = None,
+    ledger_json: str | os.PathLike[str] | None = None,
+    protect: Iterable[str | os.PathLike[str]] = (),
+) -> ExportPaths:
+    """Check every requested output path before any work is done (a command calls this before tracing).
+
+    Each path must have an accepted suffix, an existing folder, and not be an input; no two exports may
+    share a path; a plot needs matplotlib. Raises :class:`~trainledger.errors.InputError` naming the
+    first problem.
+
+    Example:
+        >>> check_export_paths(perfetto="step.json", ledger_json="step.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        trainledger.errors.InputError: ledger JSON path 'step.json' is also the Perfetto trace path; ...
+    """
+    protected = tuple(Path(p) for p in protect)
+    given = {"plot": plot, "memory_viz": memory_viz, "perfetto": perfetto, "ledger_json": ledger_json}
+    checked: dict[str, Path] = {}
+    for kind, path in given.items():
+        if path is None:
+            continue
+        out = check_output_path(path, _SUFFIXES[kind], what=_WHAT[kind], protect=protected)
+        for other, other_path in checked.items():
+            if other_path.resolve() == out.resolve():
+                raise InputError(
+                    f"{_WHAT[kind]} path {str(path)!r} is also the {_WHAT[other]} path; give each export its own file"
+                )
+        checked[kind] = out
+    if "plot" in checked:
+        from trainledger.report.plot import _matplotlib
+
+        _matplotlib()  # a missing matplotlib is reported now, not after the step has run
+    return ExportPaths(**checked, protect=protected)
+
+
+def write_exports(ledger: Ledger, paths: ExportPaths) -> dict[str, str]:
+    """Write every export requested in ``paths``; returns ``{kind: path written}`` (for a command's JSON).
+
+    Example:
+        >>> from trainledger.ledger import Ledger
+        >>> write_exports(Ledger(()), check_export_paths())
+        {}
+    """
+    from trainledger.report.plot import plot_timeline
+
+    writers: dict[str, Callable[..., Path]] = {
+        "plot": plot_timeline,
+        "memory_viz": write_memory_viz,
+        "perfetto": write_perfetto,
+        "ledger_json": write_ledger_json,
+    }
+    return {kind: str(writers[kind](ledger, path, protect=paths.protect)) for kind, path in paths.requested().items()}
