@@ -17,6 +17,7 @@ rounding and fragmentation, communication buffers of tensor/pipeline parallelism
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 from trainledger.analytic._activations import (
@@ -353,6 +354,59 @@ def _backward_widths(spec: ArchSpec, setup: Setup, rows: int, t: int) -> tuple[i
         scores = 2 * _div(rows * spec.num_heads * setup.seq_len * setup.seq_len, t)
         return mlp, (scores, setup.weight_dtype if spec.family == "gpt2" else "float32")
     return mlp, (3 * _div(N * spec.num_heads * spec.head_dim, t), setup.weight_dtype)
+
+
+_LAYER_RE = re.compile(r"^((?:reference\.)?(?:model\.layers|transformer\.h|gpt_neox\.layers)\.\d+)\.")
+
+
+def compact(ledger: Ledger) -> Ledger:
+    """The same step with each layer's arrays merged per half-block, category, role, dtype and lifetime.
+
+    Peaks and totals are unchanged (up to a few bytes of per-tensor step counters); the sharding
+    transform runs ten times faster on it, which is what the ``fit`` search needs.
+    """
+    groups: dict[tuple[object, ...], list[Entry]] = {}
+    singles: list[Entry] = []
+    for e in ledger.entries:
+        name = e.name.removeprefix("optimizer.")
+        m = _LAYER_RE.match(name)
+        if m is None:
+            singles.append(e)
+            continue
+        group = f"{m.group(1)}.{_release_of(name)}"
+        key = (group, e.category, e.role, e.dtype, e.alloc_event, e.free_event)
+        groups.setdefault(key, []).append(e)
+    merged = list(singles)
+    for (group, category, role, dtype, alloc, free), members in groups.items():
+        if category in (Category.WEIGHTS, Category.FROZEN):
+            name = f"{group}.params"
+        elif category == Category.GRADIENTS:
+            name = f"{group}.params.master.grad" if role == "master_grad" else f"{group}.params.grad"
+        elif category == Category.OPTIMIZER:
+            name = f"optimizer.{group}.params.{role}"
+        else:
+            name = f"{group}.{category}.{dtype}"
+        if role == "step":
+            numel = 1  # one counter per merged group
+        else:
+            numel = sum(e.numel for e in members)
+        first = members[0]
+        merged.append(
+            Entry(
+                name=name,
+                category=first.category,
+                role=role,
+                dtype=dtype,
+                numel=numel,
+                nbytes=numel * DTYPE_BYTES[dtype],
+                device=first.device,
+                owner=group,
+                alloc_event=alloc,
+                free_event=free,
+                evidence=first.evidence,
+            )
+        )
+    return ledger.with_entries(merged)
 
 
 def _layer_module(spec: ArchSpec, i: int) -> str:

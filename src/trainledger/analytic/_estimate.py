@@ -1,0 +1,105 @@
+"""``estimate``: the analytic ledger of a config, optionally sharded across data-parallel ranks (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainledger.analytic._config import ArchSpec, arch_from_config, load_config_file
+from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
+from trainledger.analytic._params import num_params
+from trainledger.analytic._setup import Setup
+from trainledger.ledger import Ledger
+
+STAGES = ("zero0", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class EstimateResult:
+    """The analytic peak of one rank, with the numbers it rests on."""
+
+    source: str
+    spec: ArchSpec
+    setup: Setup
+    ledger: Ledger
+    """One rank's ledger (after the ZeRO transform when ``world > 1``)."""
+    world: int
+    stage: str
+    num_params: int
+    num_trainable_params: int
+    saved_bytes_per_layer: int
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.ledger.to_dict(entries=False)
+        out["source"] = self.source
+        out["family"] = self.spec.family
+        out["num_params"] = self.num_params
+        out["num_trainable_params"] = self.num_trainable_params
+        out["saved_activation_bytes_per_layer"] = self.saved_bytes_per_layer
+        out["world"] = self.world
+        out["stage"] = self.stage
+        out["setup"] = {k: v for k, v in self.setup.__dict__.items() if k != "notes"}
+        out["by_category"] = {k[0]: v for k, v in self.ledger.bytes_by("category").items()}
+        return out
+
+
+def shard_ledger(ledger: Ledger, world: int, stage: str) -> tuple[Ledger, tuple[str, ...]]:
+    """Rank 0's ledger of ``ledger`` under ZeRO ``stage`` over ``world`` ranks (DeepSpeed's partitioning)."""
+    if world == 1 or (stage == "zero0" and world == 1):
+        return ledger, ()
+    from trainledger.shard import ShardConfig, shard
+
+    res = shard(ledger, ShardConfig(world_size=world, strategy=stage, engine="deepspeed"))  # type: ignore[arg-type]
+    rank0 = res.ranks[0]
+    meta = {**ledger.meta, "shard": {"world": world, "stage": stage, "label": res.label}}
+    return rank0.with_entries(rank0.entries, meta=meta, notes=(*ledger.notes, *res.notes)), res.notes
+
+
+def estimate(
+    config: str | Path | dict[str, Any], setup: Setup | None = None, *, world: int = 1, stage: str = "zero0"
+) -> EstimateResult:
+    """The analytic estimate of one training step of a Hugging Face config (evidence ``analytic``).
+
+    Arguments:
+        config: a ``config.json``, a folder holding one, or the config as a dict.
+        setup: how the step runs (micro-batch, sequence, precision, recomputation, parallelism).
+        world: data-parallel ranks; stage: ``zero0`` … ``zero3`` (see :mod:`trainledger.shard`).
+
+    Example:
+        >>> r = estimate({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12,
+        ...     "n_head": 12}, Setup(micro_batch=4, seq_len=1024, recipe="fp32"))
+        >>> r.num_params, r.ledger.peak().phase
+        (124439808, 'backward')
+    """
+    from trainledger.shard import parse_strategy
+
+    raw = dict(config) if isinstance(config, dict) else load_config_file(config)
+    spec = arch_from_config(raw)
+    setup = setup or Setup()
+    if spec.learned_positions and setup.seq_len > spec.learned_positions:
+        from trainledger.errors import InputError
+
+        raise InputError(
+            f"--seq-len {setup.seq_len} exceeds the {spec.learned_positions} learned positions "
+            "(n_positions) of this model"
+        )
+    strategy = parse_strategy(stage)
+    if strategy not in STAGES:
+        from trainledger.errors import InputError
+
+        raise InputError(f"--stage {stage!r}: the analytic estimate takes ZeRO stages 0, 1, 2, 3")
+    led = analytic_ledger(spec, setup)
+    trainable = led.num_params()
+    led, _ = shard_ledger(led, world, strategy)
+    return EstimateResult(
+        source="config" if isinstance(config, dict) else str(config),
+        spec=spec,
+        setup=setup,
+        ledger=led,
+        world=world,
+        stage=strategy,
+        num_params=num_params(spec),
+        num_trainable_params=trainable,
+        saved_bytes_per_layer=saved_bytes_per_layer(spec, setup),
+    )

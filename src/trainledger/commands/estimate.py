@@ -1,0 +1,120 @@
+"""``trainledger estimate``: the analytic peak of a Hugging Face architecture, instantly, without running it."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.text import Text
+
+from trainledger.analytic import REMATS, Setup
+from trainledger.analytic._estimate import EstimateResult, estimate
+from trainledger.commands.common import add_json_flag, positive_int, print_json
+from trainledger.report.terminal import (
+    UNITS_NOTE,
+    both_units,
+    category_table,
+    make_console,
+    notes_text,
+    peak_text,
+    print_renderables,
+)
+
+RECIPE_HELP = "bf16-master (bf16 weights, fp32 master and moments), bf16 (pure), fp32 (default bf16-master)"
+
+
+def add_setup_flags(p: argparse.ArgumentParser, *, micro_batch: bool = True) -> None:
+    """The flags that describe the step, shared by ``estimate`` and ``fit``."""
+    p.add_argument("--hf-config", required=True, metavar="PATH", help="a local config.json or a folder holding one")
+    if micro_batch:
+        p.add_argument("--micro-batch", type=positive_int("--micro-batch"), default=1, help="sequences (default 1)")
+    p.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--dtype", default="bf16-master", metavar="RECIPE", help=RECIPE_HELP)
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum (default adamw)")
+    p.add_argument("--attn", default="sdpa", metavar="IMPL", help="attention implementation: sdpa or eager")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (frozen base); 0 trains every weight")
+    p.add_argument("--lora-targets", default=None, help="comma-separated linears to adapt (default q_proj,v_proj)")
+    p.add_argument("--reference", action="store_true", help="a frozen reference model and the DPO loss")
+    p.add_argument("--tensor-parallel", type=positive_int("--tensor-parallel"), default=1, help="Megatron TP degree")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: split norms/dropouts")
+    p.add_argument("--pipeline-parallel", type=positive_int("--pipeline-parallel"), default=1, help="1F1B stages")
+    p.add_argument(
+        "--device-kind",
+        default="cuda",
+        metavar="KIND",
+        help="whose kernels: cuda (default) or cpu (to compare with a trace on this machine)",
+    )
+    p.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel ranks (default 1)")
+
+
+def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
+    targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
+    fields = dict(
+        micro_batch=getattr(args, "micro_batch", 1),
+        seq_len=args.seq_len,
+        recipe=args.dtype,
+        optimizer=args.optimizer,
+        attn_impl=args.attn,
+        device=args.device_kind,
+        remat=getattr(args, "remat", "none"),
+        remat_every=getattr(args, "remat_every", 1),
+        lora_rank=args.lora_rank,
+        lora_targets=targets,
+        reference=args.reference,
+        tensor_parallel=args.tensor_parallel,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_parallel=args.pipeline_parallel,
+    )
+    fields.update(overrides)
+    return Setup(**fields)  # type: ignore[arg-type]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="analytic peak of a Hugging Face architecture (instant, nothing is run or downloaded)",
+        description="Closed-form ledger of one training step of a Hugging Face config: exact parameter counts, "
+        "activations as each family saves them, the peak taken at one instant (evidence analytic).",
+    )
+    add_setup_flags(p)
+    p.add_argument("--remat", default="none", help=f"rematerialization: {', '.join(REMATS)} (default none)")
+    p.add_argument("--remat-every", type=positive_int("--remat-every"), default=1, help="with full: every k-th layer")
+    p.add_argument("--stage", default="0", help="ZeRO stage 0, 1, 2 or 3 across --world ranks (default 0)")
+    add_json_flag(p)
+    p.set_defaults(run=run)
+
+
+def compute(args: argparse.Namespace) -> EstimateResult:
+    return estimate(args.hf_config, setup_from(args), world=args.world, stage=args.stage)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = compute(args)
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    render(result, make_console())
+    return 0
+
+
+def render(result: EstimateResult, console: Console) -> None:
+    led, s = result.ledger, result.setup
+    pk = led.peak()
+    title = (
+        f"{result.spec.family} from {result.source}: micro-batch {s.micro_batch} × {s.seq_len} tokens, {s.recipe}, "
+        f"{s.optimizer}, {s.attn_impl}, remat {s.remat}"
+        + (f", ZeRO-{result.stage[-1]} over {result.world} ranks (rank 0)" if result.world > 1 else "")
+    )
+    per_layer = result.saved_bytes_per_layer
+    facts = [
+        f"parameters {result.num_params:,} (exact: transformers' own count); trainable {result.num_trainable_params:,}",
+        f"activations saved per layer {per_layer:,} bytes ({both_units(per_layer)})",
+        "an analytic peak is an estimate; `trainledger trace --hf-config ... --fake` traces the real step at full size",
+    ]
+    print_renderables(
+        category_table(led, title=title),
+        peak_text(pk, evidence=str(led.evidence), maxima=led.category_maxima(), single_instant=False),
+        Text("\n".join(facts)),
+        notes_text([*led.notes, UNITS_NOTE]),
+        console=console,
+    )

@@ -1,0 +1,132 @@
+"""``trainledger fit``: the configurations of a step that fit a device, best first, and what overflows."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from trainledger.analytic import Setup
+from trainledger.analytic._fit import FitOptions, FitResult, fit
+from trainledger.commands.common import add_json_flag, positive_int, print_json, size_arg
+from trainledger.commands.estimate import add_setup_flags, setup_from
+from trainledger.errors import InputError
+from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
+from trainledger.units import format_bytes
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fit",
+        help="which micro-batch, ZeRO stage, rematerialization and precision fit a device, best first",
+        description="Search micro-batch × ZeRO stage × rematerialization × precision recipe with the analytic "
+        "model; list what fits with its predicted peak and relative step cost, and what does not, by how much.",
+    )
+    add_setup_flags(p, micro_batch=False)
+    p.add_argument("--device-memory", type=size_arg("--device-memory"), required=True, help="e.g. 80GiB, 24GB")
+    p.add_argument("--reserve", type=size_arg("--reserve"), default=None, help="memory kept free (default none)")
+    p.add_argument("--micro-batches", default="1,2,4,8,16,32", help="micro-batch sizes to try (default 1,2,4,8,16,32)")
+    p.add_argument("--recipes", default="bf16-master,bf16", help="precision recipes to try (default bf16-master,bf16)")
+    p.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device, for the cost")
+    p.add_argument("--link-gbps", type=float, default=400.0, help="per-rank Gbit/s for data parallelism")
+    p.add_argument("--top", type=positive_int("--top"), default=12, help="rows of each table (default 12)")
+    add_json_flag(p)
+    p.set_defaults(run=run)
+
+
+def compute(args: argparse.Namespace) -> FitResult:
+    try:
+        mbs = tuple(sorted({int(x) for x in args.micro_batches.split(",") if x.strip()}))
+    except ValueError:
+        raise InputError(f"--micro-batches {args.micro_batches!r}: give whole numbers separated by commas") from None
+    if not mbs or min(mbs) < 1:
+        raise InputError(f"--micro-batches {args.micro_batches!r}: give positive whole numbers, e.g. 1,2,4,8")
+    recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
+    base: Setup = setup_from(args, micro_batch=1, recipe=recipes[0] if recipes else args.dtype)
+    for r in recipes:
+        Setup(recipe=r)  # validates the name with the usual message
+    options = FitOptions(
+        device_memory=args.device_memory,
+        world=args.world,
+        micro_batches=mbs,
+        recipes=recipes,
+        tflops=args.tflops,
+        link_gbps=args.link_gbps,
+        reserve_bytes=args.reserve or 0,
+    )
+    return fit(args.hf_config, options, base)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = compute(args)
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    render(result, make_console(), top=args.top)
+    return 0
+
+
+def _gib(n: int) -> str:
+    return format_bytes(n)
+
+
+def render(result: FitResult, console: Console, *, top: int = 12) -> None:
+    o, b = result.options, result.base
+    usable = o.device_memory - o.reserve_bytes
+    head = Text(
+        f"{result.source}: {result.num_params:,} parameters, {b.seq_len} tokens per sequence, {b.optimizer}, "
+        f"{b.attn_impl}, {o.world} data-parallel rank(s), {both_units(usable)} usable per device"
+    )
+    fits = Table(title="fits (best first; cost per token relative to the best)", title_justify="left")
+    for col in ("#", "micro-batch", "ZeRO", "remat", "precision", "predicted peak", "free", "rel. cost", "peak in"):
+        fits.add_column(col, justify="right" if col not in ("ZeRO", "remat", "precision", "peak in") else "left")
+    for i, c in enumerate(result.fitting[:top], 1):
+        fits.add_row(
+            str(i),
+            str(c.micro_batch),
+            c.stage[-1],
+            c.remat,
+            c.recipe,
+            _gib(c.peak_bytes),
+            _gib(usable - c.peak_bytes),
+            f"{c.relative_cost:.2f}",
+            c.peak_phase,
+        )
+    items: list[object] = [head]
+    if result.fitting:
+        items.append(fits)
+        more = len(result.fitting) - top
+        if more > 0:
+            items.append(Text(f"… and {more} more that fit (--top N or --json for all)"))
+    else:
+        items.append(Text("nothing fits: see what overflows below", style="bold red"))
+    over = Table(title="does not fit (smallest overflow first)", title_justify="left")
+    for col in ("micro-batch", "ZeRO", "remat", "precision", "predicted peak", "over by", "largest at the peak"):
+        over.add_column(col, justify="right" if col in ("micro-batch", "predicted peak", "over by") else "left")
+    for c in result.overflowing[:top]:
+        cat, nbytes = c.largest_at_peak
+        over.add_row(
+            str(c.micro_batch),
+            c.stage[-1],
+            c.remat,
+            c.recipe,
+            _gib(c.peak_bytes),
+            _gib(c.overflow_bytes),
+            f"{cat} {_gib(nbytes)} ({c.peak_phase})",
+        )
+    if result.overflowing:
+        items.append(over)
+    items.append(
+        notes_text(
+            [
+                "peaks are analytic estimates of rank 0 (evidence analytic); cost = compute + recompute + exposed "
+                f"communication at {o.tflops:g} TFLOP/s and {o.link_gbps:g} Gbit/s; a micro-batch is listed "
+                "as overflowing once, the larger ones are not tried",
+                "allocator rounding and fragmentation are not modelled: keep some headroom (--reserve)",
+                UNITS_NOTE,
+            ]
+        )
+    )
+    print_renderables(*items, console=console)
