@@ -76,6 +76,9 @@ class ForwardRecord:
     inputs: tuple[tuple[int, ...], ...]
     """Per op, the alloc events of the forward-allocated storages it reads."""
     storages: tuple[StorageRecord, ...]
+    packs: tuple[tuple[int, str], ...] = ()
+    """Every tensor autograd saved: (the op that saved it, the module then running). The recomputation
+    of a region stops after the last op of the region that saves anything."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -93,6 +96,8 @@ class _Recorder(TorchDispatchMode):
         self.freed: dict[int, int] = {}  # alloc event index of record -> free event
         self.records: list[list[Any]] = []  # [alloc_event, nbytes, free_event, savers]
         self.by_key: dict[int, int] = {}
+        self.packs: list[tuple[int, str]] = []
+        self.pending: list[tuple[int, int, str]] = []  # (storage key, last op, module) of unattributed packs
         self._refs: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -101,11 +106,14 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         index = len(self.ops)
         reads = []
+        keys = set()
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                keys.add(storage_key(t))
                 rec = self.by_key.get(storage_key(t))
                 if rec is not None:
                     reads.append(self.records[rec][0])
+        self.settle(keys)
         start = time.perf_counter()
         out = func(*args, **kwargs)
         self.seconds.append(time.perf_counter() - start)
@@ -125,6 +133,13 @@ class _Recorder(TorchDispatchMode):
                     self._refs.append(weakref.ref(st, self._freed(key, i)))
         return out
 
+    def settle(self, next_inputs: set[int]) -> None:
+        """Attribute the packs made since the last op: autograd saves an op's inputs just before the op
+        runs and its outputs just after, so a saved input of the op about to run was saved by it."""
+        for key, last, module in self.pending:
+            self.packs.append((last + 1 if key in next_inputs else last, module))
+        self.pending.clear()
+
     def _freed(self, key: int, i: int) -> Any:
         def cb(_ref: Any) -> None:
             if self.records[i][2] is None:
@@ -135,6 +150,8 @@ class _Recorder(TorchDispatchMode):
         return cb
 
     def pack(self, t: torch.Tensor) -> None:
+        key = storage_key(t) if t.layout == torch.strided else -1
+        self.pending.append((key, len(self.ops) - 1, self.scopes.current))
         if t.layout == torch.strided:
             rec = self.by_key.get(storage_key(t))
             if rec is not None:
@@ -142,7 +159,7 @@ class _Recorder(TorchDispatchMode):
         return None  # keep nothing: tensors live only as long as Python holds them
 
 
-def record_forward(workload: Workload, *, repeats: int = 3) -> ForwardRecord:
+def record_forward(workload: Workload, *, repeats: int = 7) -> ForwardRecord:
     """Run the step's forward (model and loss) ``repeats + 1`` times with autograd saving nothing.
 
     The first run warms up; per-op times are medians of the others. Nothing is updated (no backward, no
@@ -165,6 +182,7 @@ def record_forward(workload: Workload, *, repeats: int = 3) -> ForwardRecord:
                 del output, loss
         finally:
             scopes.close()
+        rec.settle(set())
         for r in rec.records:
             if r[2] is None:
                 r[2] = len(rec.ops)
@@ -178,7 +196,13 @@ def record_forward(workload: Workload, *, repeats: int = 3) -> ForwardRecord:
     seconds = tuple(statistics.median(r.seconds[i] for r in timed) for i in range(len(first.ops)))
     storages = tuple(StorageRecord(r[0], r[1], r[2], frozenset(r[3])) for r in first.records)
     return ForwardRecord(
-        tuple(first.ops), tuple(first.modules), tuple(first.flops), seconds, tuple(first.inputs), storages
+        tuple(first.ops),
+        tuple(first.modules),
+        tuple(first.flops),
+        seconds,
+        tuple(first.inputs),
+        storages,
+        tuple(first.packs),
     )
 
 
@@ -365,7 +389,11 @@ def _candidate(
     saved_in = _saved_inside(plain, info, path, f0, f1, t0)
     if not saved_in:
         return None
+    # Early stop: the recomputation ends once every tensor the region saved is saved again, i.e. after
+    # the last op of the region that saves anything (its own outputs, its inputs or its weights).
     stop = max(plain.entries[i].alloc_event for i in saved_in)  # type: ignore[type-var]
+    if record is not None and record.packs:
+        stop = max([stop, *(f for f, m in record.packs if f0 <= f <= f1 and _subtree(path, m))])
     early = [i for i in saved_in if not _cached(plain, i, policy)]
     saved_bytes = sum(plain.entries[i].nbytes for i in early if not _mixed(info, i, path))
     if policy == "selective":  # non-saved matmul outputs are held by the cache until recomputation
@@ -543,7 +571,7 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
             if a <= s:
                 end = ph(uf) if uf <= s else rec_end
             else:  # never consumed by the recomputation: held until the region's backward is over
-                end = int(new[t1 + 1])
+                end = int(new[t1]) + 1
             free = end if free_old is None else max(end, free_old)
             touched[i] = _moved(e, int(new[a]), free)
             continue
@@ -569,7 +597,7 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
                     last_use_event=None,
                 )
             )
-    keep_until = int(new[t1 + 1])
+    keep_until = int(new[t1]) + 1
     for i in cs.inputs.get(path, ()):  # the region's inputs are kept by the checkpoint until its backward ends
         if i in touched:
             continue

@@ -1,0 +1,145 @@
+"""Candidates, costs and predicted peaks on real traced steps, against independent oracles:
+FlopCounterMode and hand-counted matmul FLOPs, the re-traced step with the plan applied, brute force."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainledger.errors import InputError
+from trainledger.examples import gpt_tiny
+from trainledger.remat.candidates import regions_of, replay
+from trainledger.remat.plan import Plan, Region, structure_fingerprint
+from trainledger.remat.planner import InfeasibleBudget, Planner, parse_budget
+from trainledger.remat.solvers import brute_force, chain_savings, solve_dp, solve_milp
+from trainledger.trace import trace
+from trainledger.workload import call_model
+
+
+@pytest.fixture(scope="module")
+def planner() -> Planner:
+    return Planner.build(gpt_tiny(n_layer=2))
+
+
+def test_recompute_flops_match_flop_counter_and_hand_count(planner):
+    cs = planner.candidates
+    w = gpt_tiny(n_layer=2)
+    with FlopCounterMode(display=False) as counter:
+        call_model(w.model, w.batch)
+    counts = counter.get_flop_counts()
+    block = cs.candidates[cs.index(Region("blocks.0"))]
+    # the early stop drops only the final residual add, which has no FLOPs: all of the block's forward
+    assert block.flops == sum(counts["GPT.blocks.0"].values())
+    # by hand: B*T = 256 tokens, C = 64; qkv 2·256·64·192, QKᵀ and AV 2·(4·4)·64·64·16 each,
+    # proj 2·256·64·64, fc and proj2 2·256·64·256 each
+    assert block.flops == 2 * 256 * 64 * 192 + 2 * (2 * 16 * 64 * 64 * 16) + 2 * 256 * 64 * 64 + 2 * (
+        2 * 256 * 64 * 256
+    )
+    attn = cs.candidates[cs.index(Region("blocks.0.attn"))]
+    assert (
+        attn.flops
+        == sum(counts["GPT.blocks.0.attn"].values())
+        == 2 * 256 * 64 * 192 + 2 * (2 * 16 * 64 * 64 * 16) + 2 * 256 * 64 * 64
+    )
+    selective = cs.candidates[cs.index(Region("blocks.0", "selective"))]
+    assert selective.flops == 0  # every matmul output is kept; only pointwise ops are recomputed
+
+
+def test_the_early_stop_is_the_last_op_whose_output_backward_needs(planner):
+    cs = planner.candidates
+    block = cs.candidates[cs.index(Region("blocks.0"))]
+    ops = [cs.plain.events[i].op for i in range(block.stop + 1, block.fwd[1] + 1)]
+    assert ops == ["aten.add.Tensor"]  # the residual add saves nothing: not recomputed
+    assert cs.plain.events[block.stop].op == "aten.mul.Tensor"  # dropout's multiply saves the mask
+
+
+def test_linear_model_adds_exactly(planner):
+    cs, model = planner.candidates, planner.model
+    rng = random.Random(0)
+    n = len(cs.candidates)
+    for _ in range(25):
+        choice = [j for j in range(n) if rng.random() < 0.4]
+        if not model.compatible(choice):
+            continue
+        assert model.peak(choice) == replay(cs, choice).peak().bytes
+
+
+def test_predicted_peaks_match_the_retraced_step():
+    w = gpt_tiny(n_layer=2)
+    p = Planner.build(w)
+    cs = p.candidates
+    names = [
+        [Region("blocks.0"), Region("blocks.1")],
+        [Region("blocks.0.attn"), Region("blocks.1.mlp")],
+        [Region("blocks.1", "selective")],
+    ]
+    for regions in names:
+        choice = [cs.index(r) for r in regions]
+        predicted = replay(cs, choice).peak().bytes
+        plan = Plan(regions=regions_of(cs, choice), fingerprint=structure_fingerprint(w.model))
+        plan.apply(w.model)
+        try:
+            traced = trace(w).peak().bytes
+        finally:
+            plan.remove(w.model)
+        assert abs(predicted - traced) <= 0.01 * traced, (regions, predicted, traced)
+
+
+def test_dp_and_milp_agree_on_the_real_model(planner):
+    model = planner.model
+    chain_savings(model)  # the GPT is a chain
+    for budget in np.linspace(planner.floor_bytes, planner.plain_peak_bytes, 6).astype(int):
+        dp, milp = solve_dp(model, int(budget)), solve_milp(model, int(budget))
+        assert dp.cost == pytest.approx(milp.cost, rel=1e-9, abs=1e-12)
+        assert dp.peak_bytes <= budget and milp.peak_bytes <= budget
+
+
+def test_brute_force_on_the_real_model_at_the_floor(planner):
+    model = planner.model
+    assert model.num_candidates <= 16
+    best = brute_force(model, planner.floor_bytes)
+    assert best is not None and brute_force(model, planner.floor_bytes - 1) is None
+    assert solve_milp(model, planner.floor_bytes).cost == pytest.approx(best[1])
+
+
+def test_impossible_budget_states_the_floor_and_carries_the_best_plan(planner):
+    with pytest.raises(InfeasibleBudget) as info:
+        planner.solve(planner.floor_bytes - 1)
+    err = info.value
+    assert err.floor_bytes == planner.floor_bytes and err.budget_bytes == planner.floor_bytes - 1
+    assert err.best.predicted_peak_bytes == planner.floor_bytes
+    assert f"{planner.floor_bytes:,}" in str(err) and "below the floor" in str(err)
+    assert isinstance(err, InputError)
+    ok = planner.solve(planner.floor_bytes)
+    assert ok.predicted_peak_bytes == planner.floor_bytes
+
+
+def test_uniform_and_sqrt_n_are_in_the_plan_space(planner):
+    blocks = planner.block_candidates()
+    assert [planner.candidates.candidates[j].region.path for j in blocks] == ["blocks.0", "blocks.1"]
+    uniform = planner.solve(planner.plain_peak_bytes, solver="uniform")
+    best = planner.solve(uniform.predicted_peak_bytes)
+    assert best.extra_seconds <= uniform.extra_seconds + 1e-12
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("50%", 500), ("12.5%", 125), ("2KiB", 2048), ("1e3", 1000), (4096, 4096)],
+)
+def test_budget_parsing(text, expected):
+    assert parse_budget(text, 1000) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-5%", "0%", "%", "5 parsecs", "-1GiB"])
+def test_bad_budgets(text):
+    with pytest.raises(InputError, match="budget"):
+        parse_budget(text, 1000)
+
+
+def test_percentages_are_of_the_traced_peak(planner):
+    p = planner.solve("80%")
+    assert p.budget_bytes == planner.plain_peak_bytes * 80 // 100
+    assert p.predicted_peak_bytes <= p.budget_bytes
