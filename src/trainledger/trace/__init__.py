@@ -91,16 +91,16 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
         if phase != "end":
             tracer.phase = phase
 
-    start = time.perf_counter()
     scopes.open()
     try:
         with quiet_gc(), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
             with _user_errors("the traced step"):
+                start = time.perf_counter()
                 run_step(workload, on_phase=on_phase, on_loss=lambda loss: label_graph(loss, LOSS_SCOPE))
+                seconds = time.perf_counter() - start
     finally:
         scopes.close()
         tracer.stop()
-    seconds = time.perf_counter() - start
     if not tracer.events:
         raise InputError("the step dispatched no tensor operations; nothing to trace")
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from trainledger.inventory import dtype_name, storage_key
 from trainledger.ledger import Category, Entry, Event, Evidence
@@ -144,8 +143,8 @@ class StepTracer(TorchDispatchMode):
         module = self.scopes.current if self.phase == "forward" else self.scopes.backward_scope()
         op = _op_name(func)
         self.events.append(Event(index, self.phase, op, module))
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and storage_key(t) not in self.storages and _has_storage(t):
+        for t in _tensors(args, kwargs):
+            if storage_key(t) not in self.storages and _has_storage(t):
                 # existed before the step without being declared: captured in a closure, RNG state…
                 self._track(
                     t,
@@ -157,8 +156,8 @@ class StepTracer(TorchDispatchMode):
                     owner=module,
                 )
         out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _has_storage(t):
+        for t in _tensors(out):
+            if _has_storage(t):
                 key = storage_key(t)
                 if key not in self.storages:
                     self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=module)
@@ -294,6 +293,24 @@ def _same_meta(args: tuple[Any, ...], out: Any) -> bool:
 
 def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+
+
+def _tensors(*objs: Any) -> list[torch.Tensor]:
+    """Tensors among an op's arguments or outputs (flat, or in lists, tuples and dict values).
+
+    A direct walk: this runs for every op, and a general pytree flatten costs several times more.
+    """
+    found: list[torch.Tensor] = []
+    stack = list(objs)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return found
 
 
 def _op_name(func: Any) -> str:
