@@ -556,6 +556,20 @@ def test_traced_gpt_tiny_exports_agree_with_its_ledger(tmp_path):
     assert _png_size(plot_timeline(led, tmp_path / "gpt.png").read_bytes()) == (1440, 720)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["seed-423", "lstm", "lora", "bf16-master"])
+def test_every_small_example_exports_exactly(name):
+    trace = pytest.importorskip("trainledger.trace")
+    from trainledger.examples import build
+
+    led = trace.trace(build(name))
+    initial, steps = viewer_replay(to_memory_viz_snapshot(led))
+    assert bytes_at_times(steps, initial, list(range(led.num_events))) == led.totals()
+    perf = to_perfetto(led)["traceEvents"]
+    assert [e["args"]["bytes"] for e in perf if e["ph"] == "C" and e["name"] == "total live bytes"][:-1] == led.totals()
+    assert_well_nested([e for e in perf if e["ph"] == "X"])
+
+
 def large_ledger(num_events: int = 4000, num_entries: int = 30000) -> Ledger:
     """A deterministic ledger of the size a real trace has: many short temporaries, some long-lived ones."""
     phases = ["forward"] * (num_events * 2 // 5) + ["backward"] * (num_events * 2 // 5)
