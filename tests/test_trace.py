@@ -206,3 +206,19 @@ def test_cli_trace_json_and_outputs(cli, tmp_path):
 def test_cli_trace_bad_input(cli, argv, fragment):
     code, _, err = cli(*argv)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_measurement_uses_the_caching_allocators_counters():
+    from trainledger.measure import measure
+
+    w = examples.mlp()
+    w.model.cuda()
+    w.batch = tuple(t.cuda() for t in w.batch)
+    m = measure(w, num_steps=3)
+    assert m.device.startswith("cuda") and m.start_source == "allocator"
+    assert m.reserved_peak_bytes is not None and m.reserved_peak_bytes >= m.peak_bytes
+    # CUDA rounds every block up to 512 bytes: measured is at least traced, and not by more than that per block
+    traced = m.traced
+    assert traced.peak().bytes <= m.peak_bytes <= traced.peak().bytes + 512 * len(traced.live_at(traced.peak().event))
+    assert len(m.step_seconds) == 3 and m.median_step_seconds > 0
