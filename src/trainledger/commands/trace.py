@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, print_json
+from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.report.terminal import (
@@ -24,6 +24,7 @@ from trainledger.report.terminal import (
     peak_text,
     print_renderables,
 )
+from trainledger.shard.transform import parse_strategy
 from trainledger.workload import Workload, load_workload
 
 
@@ -34,6 +35,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Trace one steady-state training step (after a warm-up step) tensor by tensor.",
     )
     add_model_flag(p)
+    hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
+    hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
+    hf.add_argument("--micro-batch", type=positive_int("--micro-batch"), default=1, help="sequences (default 1)")
+    hf.add_argument(
+        "--seq-len", type=positive_int("--seq-len"), default=2048, help="tokens per sequence (default 2048)"
+    )
+    hf.add_argument("--dtype", default="bf16-master", metavar="RECIPE", help="bf16-master (default), bf16 or fp32")
+    hf.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd-momentum")
+    hf.add_argument("--attn", default="sdpa", metavar="IMPL", help="attention implementation: sdpa or eager")
+    hf.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (frozen base); 0 trains every weight")
+    hf.add_argument("--lora-targets", default=None, help="comma-separated linears to adapt (default q_proj,v_proj)")
+    hf.add_argument("--reference", action="store_true", help="a frozen reference model and the DPO loss")
+    sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
+    sh.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel ranks (default 1)")
+    sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
     p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png or .svg)")
@@ -45,8 +61,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def workload_for(args: argparse.Namespace) -> Workload:
+    if args.model and args.hf_config:
+        raise InputError("give either --model or --hf-config, not both")
+    if args.hf_config:
+        from trainledger.hf import workload_from_hf_config
+
+        return workload_from_hf_config(
+            args.hf_config,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            recipe=args.dtype,
+            optimizer=args.optimizer,
+            attn_impl=args.attn,
+            lora_rank=args.lora_rank,
+            lora_targets=[t for t in (args.lora_targets or "").split(",") if t] or None,
+            reference=args.reference,
+            fake=args.fake,
+        )
     if not args.model:
-        raise InputError("give --model NAME|file.py:factory (see --help)")
+        raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
     return load_workload(args.model)
 
 
@@ -56,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if args.measure and args.fake:
         raise InputError("--measure runs the real step; it cannot be combined with --fake")
     outputs = _check_outputs(args)
+    strategy = parse_strategy(args.stage)
     workload = workload_for(args)
+    num_params = sum(p.numel() for p in workload.model.parameters())
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:
         ledger = trace(workload, fake=args.fake, progress=progress)
@@ -65,9 +100,15 @@ def run(args: argparse.Namespace) -> int:
             from trainledger.measure import measure
 
             measurement = measure(workload)
+    sharded = None
+    if args.world > 1 or strategy != "zero0":
+        from trainledger.shard import shard
+
+        sharded = shard(ledger, world_size=args.world, strategy=strategy)
     written = [write(ledger, path, protect=_inputs(args)) for write, path in outputs]
     if args.json:
-        out: dict[str, Any] = ledger.to_dict(entries=False)
+        out: dict[str, Any] = sharded.to_dict() if sharded is not None else ledger.to_dict(entries=False)
+        out["num_params"] = num_params
         out["largest_live_at_peak"] = [
             {"name": e.name, "category": str(e.category), "role": e.role, "bytes": e.nbytes, "module": e.owner}
             for e in sorted(ledger.live_at(ledger.peak().event), key=lambda e: -e.nbytes)[:10]
@@ -77,7 +118,13 @@ def run(args: argparse.Namespace) -> int:
         out["written"] = [str(p) for p in written]
         print_json(out)
         return 0
-    render(ledger, make_console(), measurement=measurement, written=written)
+    console = make_console()
+    render(ledger, console, measurement=measurement, written=written)
+    if sharded is not None:
+        from trainledger.commands.shard import _collectives_table, _ranks_text
+
+        head = Text(f"sharded as {sharded.label} over {args.world} ranks, predicted from this trace:")
+        print_renderables(head, _ranks_text(sharded), _collectives_table(sharded, None), console=console)
     return 0
 
 
@@ -147,7 +194,8 @@ def _check_outputs(args: argparse.Namespace) -> list[tuple[Writer, str]]:
 
 def _inputs(args: argparse.Namespace) -> list[str]:
     spec = getattr(args, "model", None) or ""
-    return [spec.rpartition(":")[0]] if ":" in spec else []
+    given = [spec.rpartition(":")[0]] if ":" in spec else []
+    return given + ([args.hf_config] if getattr(args, "hf_config", None) else [])
 
 
 @contextmanager
