@@ -18,7 +18,9 @@ from trainledger.declared import StateSpec, declared_ledger
 from trainledger.errors import InputError
 from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkpoint
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, Payload, Peak
+from trainledger.measure import Measurement, measure
 from trainledger.state import StateResult, spec_state, workload_state
+from trainledger.trace import trace
 from trainledger.workload import Workload, load_workload, run_step
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "Evidence",
     "InputError",
     "Ledger",
+    "Measurement",
     "Payload",
     "Peak",
     "RecoveryCheckpoint",
@@ -38,8 +41,10 @@ __all__ = [
     "examples",
     "inventory",
     "load_workload",
+    "measure",
     "recovery_checkpoint",
     "run_step",
     "spec_state",
+    "trace",
     "workload_state",
 ]
