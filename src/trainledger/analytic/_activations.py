@@ -65,11 +65,10 @@ def _norm(spec: ArchSpec, setup: Setup, name: str, N: int, *, with_input: bool =
     """RMSNorm (Llama's: fp32 upcast of the input, rsqrt, normalised cast back) or LayerNorm (input, mean, rstd)."""
     H, a = spec.hidden_size, _act(setup)
     if spec.norm == "rmsnorm":
-        return [
-            Saved(f"{name}.input_fp32", N * H, "float32", False),
-            Saved(f"{name}.rstd", N, "float32", False),
-            Saved(f"{name}.normed", N * H, a, False),
-        ]
+        out = [Saved(f"{name}.input_fp32", N * H, "float32", False), Saved(f"{name}.rstd", N, "float32", False)]
+        if not setup.lora_rank:  # weight · normed keeps normed only for the weight's gradient
+            out.append(Saved(f"{name}.normed", N * H, a, False))
+        return out
     stat = a if setup.device == "cpu" else "float32"  # CPU keeps mean/rstd in the input dtype, CUDA in fp32
     out = [Saved(f"{name}.mean", N, stat, False), Saved(f"{name}.rstd", N, stat, False)]
     if with_input:
@@ -122,8 +121,9 @@ def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     else:
         out += [Saved(f"{p}q", q, a), Saved(f"{p}k", kv, a), Saved(f"{p}v", kv, a)]
     out += [Saved(f"{p}logsumexp", rows * nh * T, "float32"), Saved(f"{p}out", q, a)]
-    if spec.family in ("gpt2", "gpt_neox", "phi"):
-        # the output is in (B, nh, T, hd) layout here, so the reshape before the output projection copies it
+    if spec.family in ("gpt_neox", "phi"):
+        # q is a fresh (B, nh, T, hd) tensor here (partial rotary: a cat), so is the output, and the reshape
+        # before the output projection copies it; elsewhere the output is laid out (B, T, nh, hd) already
         out.append(Saved(f"{p}o_proj.input", N * nh * hd, a))
     return out
 
@@ -176,7 +176,22 @@ def layer_saved(spec: ArchSpec, setup: Setup, rows: int, layer: int) -> list[Sav
         out += [Saved(f"{p}resid_dropout{i}.mask", N * H, _mask(setup), False) for i in range(resid_masks)]
     if not _trains(setup, spec, "o_proj" if f != "gpt2" else "c_proj"):
         out = [s for s in out if not s.name.endswith("o_proj.input")]
+    if setup.lora_rank and layer == 0:
+        out = _lora_first_layer(spec, setup, out, p)
     return out
+
+
+def _lora_first_layer(spec: ArchSpec, setup: Setup, out: list[Saved], p: str) -> list[Saved]:
+    """With a frozen base nothing before the first adapter needs a gradient, so the first layer saves less:
+    its first norm nothing; the parallel MLP branch (NeoX, Phi) nothing; in eager attention, with ``k_proj``
+    not adapted, ``QKᵀ`` keeps only K (for Q's gradient)."""
+    drop = [f"{p}input_layernorm.", f"{p}ln_1."]
+    if spec.parallel_residual:
+        drop += [f"{p}mlp.", f"{p}post_attention_layernorm.", f"{p}resid_dropout1"]
+    targets = lora_targets(setup, spec)
+    if setup.attn_impl == "eager" and "k_proj" not in targets and spec.family not in ("gpt2", "gpt_neox"):
+        drop.append(f"{p}self_attn.q")
+    return [s for s in out if not any(s.name.startswith(d) and (d[-1] != "q" or s.name == d) for d in drop)]
 
 
 def _mlp(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
@@ -186,7 +201,8 @@ def _mlp(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     if spec.moe:
         E, k = spec.num_experts, spec.top_k
         Nk = N * k
-        out.append(Saved(p + "input", N * H, a, False))  # the router's input (and the experts' source)
+        if not setup.lora_rank:  # the router's input (its frozen weight needs none under LoRA)
+            out.append(Saved(p + "input", N * H, a, False))
         out += [
             Saved(p + "router.softmax", N * E, "float32", False),
             Saved(p + "router.topk_index", N * k, "int64", False),
@@ -203,6 +219,8 @@ def _mlp(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
             Saved(p + "experts.down", Nk * H, a),
             Saved(p + "experts.scatter_index", Nk, "int64", False),
         ]
+        if setup.lora_rank:  # frozen experts: their grouped matmuls keep no inputs
+            out = [s for s in out if not s.name.endswith(("experts.gathered", "experts.product"))]
         return out
     if spec.gated_mlp:  # SwiGLU: gate, silu(gate), up, silu(gate)·up
         if _trains(setup, spec, "gate_proj") or _trains(setup, spec, "up_proj"):

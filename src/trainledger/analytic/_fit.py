@@ -60,6 +60,8 @@ class Candidate:
     recompute_seconds: float
     exposed_comm_seconds: float
     seconds_per_token: float
+    largest_entry: tuple[str, int] = ("", 0)
+    """The largest array live at the peak: what to act on."""
     relative_cost: float = 0.0
     """Step time per token relative to the best configuration that fits (1.0 = best)."""
 
@@ -83,6 +85,7 @@ class Candidate:
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "seconds_per_token": self.seconds_per_token,
             "relative_cost": self.relative_cost,
+            "largest_at_peak": {"name": self.largest_entry[0], "bytes": self.largest_entry[1]},
         }
 
 
@@ -189,6 +192,7 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
                         )
                         exposed = t.exposed_seconds
                     tokens = mb * setup.seq_len
+                    top = max(rank0.live_at(pk.event), key=lambda e: e.nbytes)
                     cand = Candidate(
                         micro_batch=mb,
                         stage=stage,
@@ -203,6 +207,7 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
                         recompute_seconds=recompute,
                         exposed_comm_seconds=exposed,
                         seconds_per_token=(compute + recompute + exposed) / tokens,
+                        largest_entry=(top.name, top.nbytes),
                     )
                     if cand.fits:
                         fitting.append(cand)

@@ -1,0 +1,100 @@
+"""Config validation: every bad value is one line naming it; defaults equal transformers' own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainledger.analytic import FAMILIES, arch_from_config, load_config_file
+from trainledger.analytic._config import DEFAULTS
+from trainledger.errors import InputError
+
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"model_type": None}, "missing key 'model_type'"),
+        ({"model_type": "bert"}, "unknown model_type 'bert'"),
+        ({"hidden_size": None}, "missing key(s) 'hidden_size'"),
+        ({"num_attention_heads": 5}, "num_attention_heads 5 does not divide the hidden size 64"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' is 0; it must be positive"),
+        ({"vocab_size": -3}, "'vocab_size' is -3; it must be positive"),
+        ({"intermediate_size": 1.5}, "'intermediate_size' is 1.5; it must be a whole number"),
+        ({"hidden_size": True}, "'hidden_size' is True"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+        ({"attention_dropout": 1.5}, "'attention_dropout' is 1.5; a dropout probability"),
+        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' is 'yes'"),
+        ({"hidden_act": "swishy"}, "activation 'swishy' is not modelled"),
+    ],
+)
+def test_bad_configs_name_the_bad_value(change, fragment):
+    cfg = {**LLAMA, **change}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(InputError) as exc:
+        arch_from_config(cfg)
+    assert fragment in str(exc.value)
+
+
+def test_mixture_of_experts_checks_top_k():
+    cfg = {**LLAMA, "model_type": "mixtral", "num_key_value_heads": 2, "num_local_experts": 2, "num_experts_per_tok": 3}
+    with pytest.raises(InputError, match="num_experts_per_tok 3 exceeds num_local_experts 2"):
+        arch_from_config(cfg)
+
+
+def test_gpt2_accepts_its_own_and_the_standard_names():
+    own = arch_from_config({"model_type": "gpt2", "vocab_size": 100, "n_embd": 32, "n_layer": 2, "n_head": 4})
+    std = arch_from_config(
+        {"model_type": "gpt2", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    )
+    assert own == std
+    assert own.intermediate_size == 4 * 32 and own.tied and own.learned_positions == 1024
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('{"model_type": "llama",', "is not valid JSON"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+    ],
+)
+def test_file_errors(tmp_path, text, fragment):
+    f = tmp_path / "config.json"
+    f.write_text(text)
+    with pytest.raises(InputError, match=fragment):
+        load_config_file(f)
+    with pytest.raises(InputError, match=fragment):
+        load_config_file(tmp_path)  # a folder holding config.json
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        load_config_file(tmp_path / "nope.json")
+
+
+def test_folder_is_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert load_config_file(tmp_path) == LLAMA
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_defaults_are_transformers_defaults(family):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(family)
+    for key, value in DEFAULTS[family].items():
+        if key in ("rotary_pct", "partial_rotary_factor"):
+            actual = config.rope_parameters.get("partial_rotary_factor")
+        elif key == "n_inner" or not hasattr(config, key):
+            continue
+        else:
+            actual = getattr(config, key)
+        assert actual == value, (family, key, actual, value)
