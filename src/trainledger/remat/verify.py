@@ -135,12 +135,17 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
     return statistics.median(plain), statistics.median(planned)
 
 
-def verify(workload: Workload, plan: Plan, *, repeats: int = 7) -> Verification:
-    """Apply ``plan`` to ``workload.model``, trace the step, compare gradients and time; then remove it."""
+def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = True) -> Verification:
+    """Apply ``plan`` to ``workload.model``, trace the step, compare gradients and time; then remove it.
+
+    Arguments:
+        repeats: untraced steps timed with and without the plan (interleaved).
+        timing: ``False`` skips the timing (both times are then reported as 0).
+    """
     from trainledger.trace import trace
 
     equal, count, mismatched = compare_gradients(workload, plan)
-    plain_s, planned_s = step_seconds(workload, plan, repeats=repeats)
+    plain_s, planned_s = step_seconds(workload, plan, repeats=repeats) if timing else (0.0, 0.0)
     plan.apply(workload.model)
     try:
         traced = trace(workload)

@@ -1,0 +1,108 @@
+"""``trainledger pareto``: peak against extra compute, from the plain peak down to the floor."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
+from trainledger.errors import InputError
+from trainledger.remat.pareto import PLOT_SUFFIXES, ParetoResult, Point, pareto, plot_pareto
+from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
+from trainledger.workload import load_workload
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pareto",
+        help="activation checkpointing: peak against extra compute, plain peak down to the floor",
+        description="Sweep budgets from the plain step's traced peak down to the floor and compare our plans "
+        "with the MILP optimum, a greedy knapsack, uniform per-block checkpointing and Chen's sqrt(n).",
+    )
+    add_model_flag(p)
+    p.add_argument("--budgets", type=positive_int("--budgets"), default=8, help="number of budgets (default 8)")
+    p.add_argument("--cost", default="seconds", help="what to minimise: seconds (measured) or flops")
+    p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
+    p.add_argument("--plot", metavar="FILE", help="write the curve as a picture (.png or .svg)")
+    add_json_flag(p)
+    p.set_defaults(run=run)
+
+
+def compute(args: argparse.Namespace) -> ParetoResult:
+    if not args.model:
+        raise InputError("give --model NAME|file.py:factory (see --help)")
+    if args.cost not in ("seconds", "flops"):
+        raise InputError(f"unknown cost {args.cost!r}; accepted: seconds, flops")
+    if args.plot:
+        from trainledger.report.exports import check_output_path
+
+        check_output_path(args.plot, PLOT_SUFFIXES, what="plot")
+    return pareto(load_workload(args.model), num_budgets=args.budgets, cost=args.cost, verify=args.verify)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = compute(args)
+    written = plot_pareto(result, args.plot) if args.plot else None
+    if args.json:
+        out = result.to_dict()
+        out["written"] = [str(written)] if written else []
+        print_json(out)
+        return 0
+    render(result, make_console())
+    if written:
+        make_console().print(f"wrote {written}")
+    return 0
+
+
+def _cost(p: Point | None, seconds: bool) -> str:
+    if p is None:
+        return "no plan"
+    return f"{p.extra_seconds * 1e3:.2f} ms" if seconds else f"{p.extra_flops / 1e6:,.1f} MFLOP"
+
+
+def render(result: ParetoResult, console: Console) -> None:
+    pl = result.planner
+    seconds = result.cost == "seconds"
+    verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
+    table = Table(
+        title=f"{result.model}: cheapest recomputation per budget (extra compute = "
+        + ("measured ms of recomputed ops" if seconds else "recomputed FLOPs")
+        + ")",
+        title_justify="left",
+    )
+    for col in ("budget", "% plain", "ours: peak", "ours: extra", "MILP optimum", "greedy", "recomputed"):
+        table.add_column(col, justify="left" if col == "recomputed" else "right")
+    if verified:
+        table.add_column("traced peak", justify="right")
+        table.add_column("grads equal", justify="right")
+    for r in result.rows:
+        o = r.ours
+        row = [
+            f"{r.budget_bytes:,}",
+            f"{100 * r.budget_bytes / pl.plain_peak_bytes:.1f}%",
+            f"{o.peak_bytes:,}" if o else "-",
+            _cost(o, seconds),
+            _cost(r.milp, seconds),
+            _cost(r.greedy, seconds),
+            ", ".join(o.regions) if o and o.regions else "nothing",
+        ]
+        if verified:
+            row += [f"{o.traced_peak_bytes:,}" if o else "-", "yes" if o and o.gradients_bitwise_equal else "NO"]
+        table.add_row(*row)
+    lines = [
+        f"plain step's traced peak {pl.plain_peak_bytes:,} bytes ({both_units(pl.plain_peak_bytes)}); floor "
+        f"{pl.floor_bytes:,} bytes ({both_units(pl.floor_bytes)}), the lowest peak any plan reaches; persistent "
+        f"state and the largest op alone {pl.state_floor_bytes:,} bytes",
+    ]
+    for p in (result.uniform, result.sqrt_n):
+        name = "uniform per-block checkpointing" if p.method == "uniform" else "Chen's sqrt(n) segments"
+        lines.append(f"{name}: peak {p.peak_bytes:,} bytes at {_cost(p, seconds)} ({len(p.regions)} regions)")
+    sac = result.extra.get("torch_sac_ilp")
+    if sac:
+        lines.append(f"PyTorch SAC MILP: {sac.get('summary', '')}")
+    items: list[Any] = [table, Text("\n".join(lines)), notes_text([*pl.candidates.notes, UNITS_NOTE])]
+    print_renderables(*items, console=console)

@@ -1,0 +1,242 @@
+"""The trade-off curve: peak memory against extra compute, from the plain peak down to the floor.
+
+For each budget: our plan (``auto``: the chain DP, or the MILP), the MILP optimum over the same plans, and
+the greedy knapsack; beside them the fixed plans people use: uniform per-block checkpointing (what
+Hugging Face's ``gradient_checkpointing_enable()`` does) and Chen et al.'s √n segments.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainledger.errors import InputError
+from trainledger.remat.candidates import CostKind
+from trainledger.remat.planner import Planner
+from trainledger.remat.solvers import NoPlan, Solution, solve_greedy, solve_milp, sqrt_n_choice
+from trainledger.workload import Workload
+
+PARETO_SCHEMA = "trainledger.remat-pareto/1"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One plan: which regions, its predicted peak and its extra compute."""
+
+    method: str
+    peak_bytes: int
+    extra_seconds: float
+    extra_flops: int
+    regions: tuple[str, ...]
+    optimal: bool = False
+    gap: float | None = None
+    traced_peak_bytes: int | None = None
+    """With ``verify``: the peak of the step traced again with the plan applied."""
+    gradients_bitwise_equal: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "peak_bytes": self.peak_bytes,
+            "extra_seconds": self.extra_seconds,
+            "extra_flops": self.extra_flops,
+            "regions": list(self.regions),
+            "optimal": self.optimal,
+            "gap": self.gap,
+            "traced_peak_bytes": self.traced_peak_bytes,
+            "gradients_bitwise_equal": self.gradients_bitwise_equal,
+        }
+
+
+@dataclass(frozen=True)
+class Row:
+    budget_bytes: int
+    ours: Point | None
+    milp: Point | None
+    greedy: Point | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "ours": self.ours.to_dict() if self.ours else None,
+            "milp": self.milp.to_dict() if self.milp else None,
+            "greedy": self.greedy.to_dict() if self.greedy else None,
+        }
+
+
+@dataclass(frozen=True)
+class ParetoResult:
+    """The sweep: a row per budget and the fixed baselines."""
+
+    model: str
+    planner: Planner = field(repr=False)
+    rows: tuple[Row, ...]
+    uniform: Point
+    sqrt_n: Point
+    cost: CostKind
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further comparisons (PyTorch's SAC MILP, when it can run)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.planner.plain.to_dict(entries=False)
+        out.update(
+            {
+                "schema": PARETO_SCHEMA,
+                "model": self.model,
+                "cost": self.cost,
+                "plain_peak_bytes": self.planner.plain_peak_bytes,
+                "floor_bytes": self.planner.floor_bytes,
+                "state_floor_bytes": self.planner.state_floor_bytes,
+                "rows": [r.to_dict() for r in self.rows],
+                "uniform_per_block": self.uniform.to_dict(),
+                "sqrt_n": self.sqrt_n.to_dict(),
+                **self.extra,
+            }
+        )
+        return out
+
+
+def _point(planner: Planner, method: str, sol: Solution) -> Point:
+    cs = planner.candidates
+    chosen = [cs.candidates[j] for j in sol.choice]
+    return Point(
+        method,
+        planner.model.peak(sol.choice),
+        sum(c.seconds for c in chosen),
+        sum(c.flops for c in chosen),
+        tuple(c.name for c in sorted(chosen, key=lambda c: c.fwd[0])),
+        sol.optimal,
+        sol.gap,
+    )
+
+
+def _fixed(planner: Planner, method: str, choice: Iterable[int]) -> Point:
+    choice = tuple(choice)
+    m = planner.model
+    sol = Solution(choice, m.peak(choice), m.total_cost(choice), method, optimal=False)
+    return _point(planner, method, sol)
+
+
+def pareto(
+    workload: Workload,
+    *,
+    num_budgets: int = 8,
+    cost: CostKind = "seconds",
+    verify: bool = False,
+    time_limit_s: float = 20.0,
+) -> ParetoResult:
+    """Sweep ``num_budgets`` budgets from the plain step's traced peak down to the floor.
+
+    Arguments:
+        verify: apply each of our plans, trace the step again and compare gradients with the plain step's.
+
+    Example:
+        >>> from trainledger.examples import gpt_tiny
+        >>> r = pareto(gpt_tiny(), num_budgets=8)
+        >>> all(row.ours.peak_bytes <= row.budget_bytes for row in r.rows)
+        True
+    """
+    if num_budgets < 2:
+        raise InputError(f"--budgets {num_budgets} is too few; give at least 2 (the plain peak and the floor)")
+    planner = Planner.build(workload, cost=cost)
+    budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
+    rows = []
+    for b in (int(x) for x in budgets):
+        ours = _point(planner, "ours", _solve_auto(planner, b, time_limit_s))
+        try:
+            milp: Point | None = _point(planner, "milp", solve_milp(planner.model, b, time_limit_s=time_limit_s))
+        except NoPlan:
+            milp = None
+        try:
+            greedy: Point | None = _point(planner, "greedy", solve_greedy(planner.model, b))
+        except NoPlan:
+            greedy = None
+        if verify:
+            ours = _verified(planner, workload, ours, b)
+        rows.append(Row(b, ours, milp, greedy))
+    blocks = planner.block_candidates()
+    return ParetoResult(
+        workload.name,
+        planner,
+        tuple(rows),
+        _fixed(planner, "uniform", blocks),
+        _fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
+        cost,
+    )
+
+
+def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:
+    from trainledger.remat.solvers import solve
+
+    return solve(planner.model, budget, solver="auto", time_limit_s=time_limit_s)
+
+
+def _verified(planner: Planner, workload: Workload, point: Point, budget: int) -> Point:
+    from dataclasses import replace
+
+    from trainledger.remat.verify import verify
+
+    cs = planner.candidates
+    choice = [j for j, c in enumerate(cs.candidates) if c.name in point.regions]
+    sol = Solution(tuple(choice), point.peak_bytes, 0.0, "ours", point.optimal)
+    plan = planner.to_plan(sol, budget_bytes=budget)
+    v = verify(workload, plan, timing=False)
+    return replace(point, traced_peak_bytes=v.traced_peak_bytes, gradients_bitwise_equal=v.gradients_bitwise_equal)
+
+
+# --- the picture ------------------------------------------------------------------------------------------
+
+PLOT_SUFFIXES = (".png", ".svg")
+
+
+def plot_pareto(
+    result: ParetoResult, path: str | os.PathLike[str], *, protect: Iterable[str | os.PathLike[str]] = ()
+) -> Path:
+    """Peak (MiB) against extra compute for every method; a dashed line at each budget's plain peak."""
+    from trainledger.report.exports import check_output_path
+    from trainledger.report.plot import _matplotlib
+
+    out = check_output_path(path, PLOT_SUFFIXES, what="plot", protect=protect)
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    Canvas(fig)
+    ax = fig.add_subplot()
+    mib = 2**20
+    seconds = result.cost == "seconds"
+
+    def x(p: Point) -> float:
+        return p.extra_seconds * 1e3 if seconds else p.extra_flops / 1e9
+
+    series = {
+        "ours (DP / MILP)": [r.ours for r in result.rows if r.ours],
+        "MILP optimum": [r.milp for r in result.rows if r.milp],
+        "greedy knapsack": [r.greedy for r in result.rows if r.greedy],
+    }
+    styles = {"ours (DP / MILP)": "o-", "MILP optimum": "x", "greedy knapsack": "s--"}
+    for label, pts in series.items():
+        pts = sorted(pts, key=x)
+        ax.plot([x(p) for p in pts], [p.peak_bytes / mib for p in pts], styles[label], label=label, alpha=0.85)
+    for p, marker in ((result.uniform, "D"), (result.sqrt_n, "^")):
+        label = "uniform per-block" if p.method == "uniform" else "Chen √n"
+        ax.plot([x(p)], [p.peak_bytes / mib], marker, markersize=9, label=label)
+    sac = result.extra.get("torch_sac_ilp", {}).get("points")
+    if sac:
+        ax.plot(
+            [p["extra_seconds"] * 1e3 if seconds else 0 for p in sac],
+            [p["peak_bytes"] / mib for p in sac],
+            "v:",
+            label="PyTorch SAC MILP",
+        )
+    ax.axhline(result.planner.plain_peak_bytes / mib, color="grey", lw=0.8, ls="--")
+    ax.axhline(result.planner.floor_bytes / mib, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("extra compute in backward (" + ("ms, measured" if seconds else "GFLOP") + ")")
+    ax.set_ylabel("predicted peak (MiB = 2^20 bytes)")
+    ax.set_title(f"{result.model}: peak vs recomputation (dashed: plain peak, dotted: floor)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out

@@ -1,0 +1,100 @@
+"""`trainledger plan` and `trainledger pareto` as a user runs them; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainledger.remat.plan import Plan
+
+SMALL_GPT = """
+from trainledger.examples import gpt_tiny
+def small():
+    return gpt_tiny(n_layer=2, seq_len=32)
+"""
+
+
+@pytest.fixture
+def small_gpt(tmp_path) -> str:
+    f = tmp_path / "small_gpt.py"
+    f.write_text(SMALL_GPT)
+    return f"{f}:small"
+
+
+def test_plan_json_has_the_common_keys_and_fits(cli_json, tmp_path, small_gpt):
+    saved = tmp_path / "plan.json"
+    d = cli_json("plan", "--model", small_gpt, "--budget", "80%", "--save", str(saved))
+    for key in ("schema", "evidence", "device", "peak", "category_maxima", "sum_of_category_maxima"):
+        assert key in d
+    assert d["predicted_peak_bytes"] <= d["budget_bytes"] == d["plain_peak_bytes"] * 80 // 100
+    assert d["peak"]["bytes"] == d["predicted_peak_bytes"]
+    plan = Plan.load(saved)
+    assert [r.path for r in plan.regions] == [r["path"] for r in d["regions"]]
+
+
+@pytest.mark.slow
+def test_plan_verify_as_a_new_user_would(cli):
+    code, out, err = cli("plan", "--model", "gpt-tiny", "--budget", "50%", "--verify")
+    assert code == 0, err
+    assert "recompute" in out and "blocks." in out
+    assert "gradients bitwise equal to the plain step's" in out and ": yes (52 of 52)" in out
+    assert "(agree, limit 1%)" in out and "within the budget" in out
+
+
+@pytest.mark.slow
+def test_plan_verify_json(cli_json):
+    d = cli_json("plan", "--model", "gpt-tiny", "--budget", "60%", "--verify")
+    v = d["verification"]
+    assert v["gradients_bitwise_equal"] and v["within_budget"] and v["agrees"]
+    assert d["peak"]["bytes"] == v["traced_peak_bytes"] and d["evidence"] == "traced"
+
+
+def test_pareto_json(cli_json, tmp_path, small_gpt):
+    plot = tmp_path / "curve.png"
+    d = cli_json("pareto", "--model", small_gpt, "--budgets", "4", "--plot", str(plot))
+    assert d["schema"] == "trainledger.remat-pareto/1" and "peak" in d
+    budgets = [r["budget_bytes"] for r in d["rows"]]
+    assert budgets[0] == d["plain_peak_bytes"] and budgets[-1] == d["floor_bytes"] and len(budgets) == 4
+    for r in d["rows"]:
+        assert r["ours"]["peak_bytes"] <= r["budget_bytes"]
+        assert r["ours"]["extra_seconds"] == pytest.approx(r["milp"]["extra_seconds"])
+    assert plot.stat().st_size > 1000 and d["written"] == [str(plot)]
+
+
+def test_impossible_budget_is_exit_2_with_the_floor(cli, small_gpt):
+    code, out, err = cli("plan", "--model", small_gpt, "--budget", "1KiB")
+    assert code == 2
+    assert "below the floor" in err and "best plan" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["plan", "--budget", "50%"], "give --model"),
+        (["plan", "--model", "gpt-tiny", "--budget", "lots"], "budget 'lots' is not understood"),
+        (["plan", "--model", "gpt-tiny", "--budget=-3%"], "budget '-3%'"),
+        (["plan", "--model", "gpt-tiny", "--budget", "50%", "--solver", "fast"], "unknown solver 'fast'"),
+        (["plan", "--model", "gpt-tiny", "--budget", "50%", "--cost", "joules"], "unknown cost 'joules'"),
+        (["plan", "--model", "gpt-tiny", "--budget", "50%", "--save", "plan.txt"], "must end in .json"),
+        (["plan", "--model", "nope", "--budget", "50%"], "unknown model 'nope'"),
+        (["pareto", "--model", "gpt-tiny", "--budgets", "0"], "--budgets"),
+        (["pareto", "--model", "gpt-tiny", "--budgets", "1"], "too few"),
+        (["pareto", "--model", "gpt-tiny", "--plot", "curve.gif"], "accepted: .png, .svg"),
+        (["pareto"], "give --model"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
+    code, out, err = cli(*argv)
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_plan_file_round_trips_through_json(tmp_path, cli, small_gpt):
+    saved = tmp_path / "p.json"
+    code, _, err = cli("plan", "--model", small_gpt, "--budget", "90%", "--save", str(saved))
+    assert code == 0, err
+    data = json.loads(saved.read_text())
+    assert data["schema"] == "trainledger.remat-plan/1" and data["fingerprint"]
