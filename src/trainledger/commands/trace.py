@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -14,6 +13,7 @@ from rich.text import Text
 from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
+from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
 from trainledger.report.terminal import (
     UNITS_NOTE,
     both_units,
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         from trainledger.shard import shard
 
         sharded = shard(ledger, world_size=args.world, strategy=strategy)
-    written = [write(ledger, path, protect=_inputs(args)) for write, path in outputs]
+    written = list(write_exports(ledger, outputs).values())
     if args.json:
         out: dict[str, Any] = sharded.to_dict() if sharded is not None else ledger.to_dict(entries=False)
         out["num_params"] = num_params
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(ledger: Ledger, console: Console, *, measurement: Any = None, written: list[Path] = ()) -> None:
+def render(ledger: Ledger, console: Console, *, measurement: Any = None, written: Sequence[str] = ()) -> None:
     pk = ledger.peak()
     over = ledger.sum_of_category_maxima() - pk.bytes
     phases = ", ".join(f"{k} {v}" for k, v in ledger.meta.get("events_per_phase", {}).items())
@@ -162,34 +162,15 @@ def render(ledger: Ledger, console: Console, *, measurement: Any = None, written
     print_renderables(*items, console=console)
 
 
-Writer = Callable[..., Path]
-
-
-def _check_outputs(args: argparse.Namespace) -> list[tuple[Writer, str]]:
+def _check_outputs(args: argparse.Namespace) -> ExportPaths:
     """Validate every output path before the (possibly long) trace runs."""
-    from trainledger.report.exports import (
-        LEDGER_JSON_SUFFIXES,
-        MEMORY_VIZ_SUFFIXES,
-        PERFETTO_SUFFIXES,
-        check_output_path,
-        write_ledger_json,
-        write_memory_viz,
-        write_perfetto,
+    return check_export_paths(
+        plot=args.plot,
+        memory_viz=args.export_memory_viz,
+        perfetto=args.export_perfetto,
+        ledger_json=args.export_json,
+        protect=_inputs(args),
     )
-    from trainledger.report.plot import PLOT_SUFFIXES, plot_timeline
-
-    wanted = [
-        (args.plot, plot_timeline, PLOT_SUFFIXES, "plot"),
-        (args.export_memory_viz, write_memory_viz, MEMORY_VIZ_SUFFIXES, "memory snapshot"),
-        (args.export_perfetto, write_perfetto, PERFETTO_SUFFIXES, "Perfetto trace"),
-        (args.export_json, write_ledger_json, LEDGER_JSON_SUFFIXES, "ledger JSON"),
-    ]
-    out = []
-    for path, writer, suffixes, what in wanted:
-        if path:
-            check_output_path(path, suffixes, what=what, protect=_inputs(args))
-            out.append((writer, path))
-    return out
 
 
 def _inputs(args: argparse.Namespace) -> list[str]:
