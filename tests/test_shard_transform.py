@@ -135,51 +135,67 @@ def test_traced_units_found_from_events():
 
 
 def test_full_shard_timeline_by_hand():
-    """World 2, FSDP2 per-parameter dim-0 shards: r 2 rows, a 3 rows (rank 1: 2 real), b 3 rows."""
+    """World 2, FSDP2 per-parameter dim-0 shards: r 2 rows, a 3 rows (rank 1: 2 real), b 3 rows.
+
+    FSDP's hooks become events of their own. The new clock (old events in brackets):
+    0 gather root, 1 [0], 2 gather h.0, 3 [1], 4 [2], 5 gather h.1, 6 [3], 7 [4],
+    8 gather root (bwd), 9 prefetch, 10 gather h.1 (bwd), 11 prefetch, 12 [5], 13 [6],
+    14 copy-in h.1, 15 reduce-scatter h.1, 16 gather h.0 (bwd), 17 prefetch, 18 [7], 19 [8],
+    20 copy-in h.0, 21 reduce-scatter h.0, 22 [9], 23 copy-in root, 24 reduce-scatter root, 25 [10].
+    """
     led = _traced()
     res = shard(led, world_size=2, strategy="full_shard", backward_prefetch=1)
     r0, r1 = res.ranks
+    assert r0.num_events == 26
+    assert [ev.op for ev in r0.events[14:17]] == [
+        "fsdp.reduce_scatter_copy_in",
+        "fsdp.reduce_scatter",
+        "fsdp.all_gather",
+    ]
     # persistent sharded weights (padded): (2 + 3 + 3) rows × 2 × 4 bytes on both ranks
-    w0 = sum(e.nbytes for e in r0.entries if e.category == Category.WEIGHTS and e.role == "param")
-    assert (
-        w0
-        == (2 + 3 + 3) * 8
-        == sum(e.nbytes for e in r1.entries if e.category == Category.WEIGHTS and e.role == "param")
-    )
+    w = [sum(e.nbytes for e in r.entries if e.category == Category.WEIGHTS and e.role == "param") for r in (r0, r1)]
+    assert w == [(2 + 3 + 3) * 8] * 2
     # optimizer state holds the real (unpadded) rows: rank 1 has 2 rows of a, 3 of b, 2 of r
     opt1 = sum(e.nbytes for e in r1.entries if e.category == Category.OPTIMIZER)
     assert opt1 == 2 * (2 + 2 + 3) * 8 + 3 * 4
-    # gathered params of h.0 in forward: events 1–2; padded full size 3 rows × 2 ranks × 8 bytes
-    g = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.role == "gathered"}
-    assert g["gathered params h.0 (forward)"] == (1, 3, 48)
-    assert g["gathered params h.1 (forward)"] == (3, 5, 48)
-    assert g["gathered params <root> (forward)"] == (0, 5, 32)
-    # backward order: root, h.1, h.0; with prefetch 1, h.0 is gathered when h.1's backward starts
-    assert g["gathered params h.1 (backward)"] == (5, 7, 48)
-    assert g["gathered params h.0 (backward)"] == (5, 9, 48)
-    assert g["gathered params <root> (backward)"] == (5, 10, 32)
-    # h.1's full gradient (48 bytes) lives until its post-backward (after event 6), then its shard
+    life = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.owner == "shard"}
+    # forward: each flat all-gather buffer lives until the next unit's copy-out; params until post-forward
+    assert life["all-gather output <root> (forward)"] == (0, 3, 32)
+    assert life["gathered params <root> (forward)"] == (0, 8, 32)
+    assert life["all-gather output h.0 (forward)"] == (2, 6, 48)
+    assert life["gathered params h.0 (forward)"] == (2, 5, 48)
+    assert life["all-gather output h.1 (forward)"] == (5, 8, 48)
+    # backward: h.0 is prefetched after h.1's copy-out and copied out at its own pre-backward
+    assert life["gathered params <root> (backward)"] == (8, 23, 32)
+    assert life["all-gather output h.1 (backward)"] == (9, 11, 48)
+    assert life["gathered params h.1 (backward)"] == (10, 14, 48)
+    assert life["all-gather output h.0 (backward)"] == (11, 17, 48)
+    assert life["gathered params h.0 (backward)"] == (16, 20, 48)
+    # one reduce-scatter input in flight: each lives until the next unit's copy-in
+    assert life["reduce-scatter input h.1"] == (14, 20, 48)
+    assert life["reduce-scatter input h.0"] == (20, 23, 48)
+    assert life["reduce-scatter input <root>"] == (23, 25, 32)
     grads = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.category == Category.GRADIENTS}
-    assert grads["h.1.b.grad"] == (5, 7, 48) and grads["h.1.b.grad (shard)"] == (7, None, 24)
-    # the timeline at event 6 (h.1 backward, h.0 prefetched), by hand:
-    expected = (
-        (2 + 3 + 3) * 8  # sharded weights
-        + 2 * (2 + 3 + 3) * 8
-        + 3 * 4  # rank 0's moments and step counters
-        + 48
-        + 48
-        + 32  # gathered h.1, h.0 (prefetched), root
-        + 48  # h.1's full gradient
-        + 48  # reduce-scatter input of h.1 (its post-backward is at event 6)
-        + 100  # the activation
-    )
-    assert r0.totals()[6] == expected
+    assert grads["h.1.b.grad"] == (12, 15, 48) and grads["h.1.b.grad (shard)"] == (15, None, 24)
+    assert grads["r.grad (shard)"] == (24, None, 16)
+    persistent = (2 + 3 + 3) * 8 + 2 * (2 + 3 + 3) * 8 + 3 * 4  # sharded weights, rank 0's moments and steps
+    # at event 13 (old 6, h.1's backward, h.0 prefetched): root and h.1 gathered, h.0's buffer, h.1's gradient
+    assert r0.totals()[13] == persistent + 32 + 48 + 48 + 48 + 100
+    # at h.1's reduce-scatter: root gathered, h.0's buffer, the input, h.1's shard, the activation
+    assert r0.totals()[15] == persistent + 32 + 48 + 48 + 24 + 100
+    # gloo reduce-scatters a full-size copy of its input: 48 more bytes for that one event
+    gloo = shard(led, world_size=2, strategy="full_shard", reduce_scatter_copy=True).ranks[0]
+    assert gloo.totals()[15] == r0.totals()[15] + 48 and gloo.totals()[16] == r0.totals()[16]
 
 
 def test_shard_grad_op_keeps_params_from_forward_to_backward():
     res = shard(_traced(), world_size=2, strategy="shard_grad_op")
-    g = {e.name: (e.alloc_event, e.free_event) for e in res.ranks[0].entries if e.role == "gathered"}
-    assert g["gathered params h.0 (forward to backward)"] == (1, 9)
+    led = res.ranks[0]
+    # no gathers in backward: 0 gather root, 1 [0], 2 gather h.0, …, 10 copy-in h.1, 11 reduce-scatter h.1,
+    # 12 [7], 13 [8], 14 copy-in h.0
+    assert led.num_events == 11 + 3 + 3 * 2
+    g = {e.name: (e.alloc_event, e.free_event) for e in led.entries if e.role == "gathered"}
+    assert g["gathered params h.0 (forward to backward)"] == (2, 14)
     assert not any("(backward)" in k for k in g)
     kinds = [(c.kind, c.phase) for c in res.collectives]
     assert kinds.count(("all_gather", "forward")) == 3 and ("all_gather", "backward") not in kinds

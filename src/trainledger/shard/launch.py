@@ -30,6 +30,7 @@ and the gathered storages' resizes with it (see :func:`_fsdp_storage_view`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import json
 import os
@@ -209,7 +210,14 @@ def run(config: RunConfig) -> RunResult:
     reference = trace(load_workload(config.model))
     units = _units_of(load_workload(config.model).model)
     prediction = shard(
-        reference, ShardConfig(world_size=config.world_size, strategy=config.strategy, engine="torch", units=units)
+        reference,
+        ShardConfig(
+            world_size=config.world_size,
+            strategy=config.strategy,
+            engine="torch",
+            units=units,
+            reduce_scatter_copy=config.backend == "gloo",
+        ),
     )
     notes = (
         "every rank runs the workload's whole batch as its micro-batch (the same data on each rank)",
@@ -244,9 +252,8 @@ def _launch(config: RunConfig, tmp: Path) -> list[dict[str, Any]]:
         for rank in range(config.world_size):
             argv = [sys.executable, "-m", "trainledger.shard.launch", str(rank), str(config.world_size)]
             argv += [str(store.port), str(tmp)]
-            procs.append(
-                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
+            with (tmp / f"rank{rank}.stderr").open("wb") as err:  # the child keeps its own handle
+                procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err))
         while True:
             failed = [r for r in range(config.world_size) if (tmp / f"rank{r}.error").exists()]
             if failed:
@@ -260,7 +267,10 @@ def _launch(config: RunConfig, tmp: Path) -> list[dict[str, Any]]:
                 failed = [r for r in range(config.world_size) if (tmp / f"rank{r}.error").exists()]
                 if failed:
                     raise RankError(_failure_message(tmp, failed))
-                raise RankError(f"rank {dead[0]} exited with status {codes[dead[0]]} and no error message")
+                raise RankError(
+                    f"rank {dead[0]} exited with status {codes[dead[0]]}: {_last_line(tmp, dead[0])}; "
+                    "every rank was stopped"
+                )
             if time.monotonic() > deadline:
                 stuck = [f"rank {r} in {_stage(tmp, r)}" for r, c in enumerate(codes) if c is None]
                 raise RankError(
@@ -295,6 +305,13 @@ def _failure_message(tmp: Path, failed: list[int]) -> str:
     rank = min(failed)
     text = (tmp / f"rank{rank}.error").read_text().strip()
     return f"rank {rank} raised {text}; every rank was stopped"
+
+
+def _last_line(tmp: Path, rank: int) -> str:
+    """The last line the rank wrote to stderr (a crash below Python leaves no exception to report)."""
+    path = tmp / f"rank{rank}.stderr"
+    lines = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return lines[-1][:300] if lines else "no message"
 
 
 def _stage(tmp: Path, rank: int) -> str:
@@ -585,10 +602,11 @@ def _fsdp_storage_view(model: nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp._fully_shard import _fsdp_param
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    import trainledger.trace as trace_api
     from trainledger.inventory import storage_key
     from trainledger.ledger import Category
     from trainledger.trace import _tracer as _tracer_module
+
+    trace_api = importlib.import_module("trainledger.trace")  # the module (the package exports a function of that name)
     from trainledger.trace._tracer import StepTracer
 
     original_iter, original_alloc, original_free = (

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
+from trainledger.shard._fsdp import fsdp_rank_timeline
 from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
 from trainledger.units import dtype_bytes
 
@@ -103,6 +104,8 @@ class ShardConfig:
     """``deepspeed``: elements per gradient reduce bucket."""
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES
     """``torch`` stages 0–1: bytes per DDP gradient bucket (sets the number of all-reduce calls)."""
+    reduce_scatter_copy: bool = False
+    """FSDP on gloo: the reduce-scatter works on a full-size copy of its input while it runs."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -420,6 +423,7 @@ class _Context:
 
     def rank_ledger(self, rank: int) -> Ledger:
         plan, srank = self.plan, rank % self.plan.shard_size
+        fsdp_timeline = plan.buffers == "fsdp" and self.traced
         out: list[Entry] = []
         opt_full = opt_kept = 0
         for e in self.ledger.entries:
@@ -436,19 +440,25 @@ class _Context:
                     out.append(_resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
                 opt_kept += out[-1].nbytes
             elif cat == Category.GRADIENTS and plan.shard_grads:
-                out.extend(self._sharded_grad(e, srank))
+                if not fsdp_timeline:  # the FSDP timeline places gradients itself
+                    out.extend(self._sharded_grad(e, srank))
             elif plan.shard_params and (cat == Category.WEIGHTS or _shardable_frozen(e)):
                 out.append(_resized(e, self.held(e, e, srank), role_suffix=""))
             else:
                 out.append(e)
         if opt_full and opt_kept != opt_full and self.traced:
             out = self._scale_optimizer_workspace(out, opt_kept, opt_full)
-        out.extend(self._buffers(srank))
-        if plan.shard_params:
-            out.extend(self._gathered(srank))
+        events = self.ledger.events
+        if fsdp_timeline:
+            events, out = fsdp_rank_timeline(self, srank, out)
+        else:
+            out.extend(self._buffers(srank))
+            if plan.shard_params:
+                out.extend(self._gathered(srank))
         notes = [f"rank {rank} of {self.config.world_size}, {plan.label}: predicted by the sharding transform"]
         return self.ledger.with_entries(
             out,
+            events=events,
             notes=(*self.ledger.notes, *notes),
             meta={**self.ledger.meta, "rank": rank, "world_size": self.config.world_size},
         )
