@@ -77,8 +77,8 @@ class ForwardRecord:
     """Per op, the alloc events of the forward-allocated storages it reads."""
     storages: tuple[StorageRecord, ...]
     packs: tuple[tuple[int, str], ...] = ()
-    """Every tensor autograd saved: (the op that saved it, the module then running). The recomputation
-    of a region stops after the last op of the region that saves anything."""
+    """Every tensor autograd saved: (the last op dispatched before the save, the module then running).
+    A region's recomputation stops inside its last save, so that op is the last one it runs."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -97,7 +97,7 @@ class _Recorder(TorchDispatchMode):
         self.records: list[list[Any]] = []  # [alloc_event, nbytes, free_event, savers]
         self.by_key: dict[int, int] = {}
         self.packs: list[tuple[int, str]] = []
-        self.pending: list[tuple[int, int, str]] = []  # (storage key, last op, module) of unattributed packs
+        self.pending: list[tuple[int, str]] = []  # (last op, module) of packs since the last op
         self._refs: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -106,14 +106,12 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         index = len(self.ops)
         reads = []
-        keys = set()
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                keys.add(storage_key(t))
                 rec = self.by_key.get(storage_key(t))
                 if rec is not None:
                     reads.append(self.records[rec][0])
-        self.settle(keys)
+        self.settle()
         start = time.perf_counter()
         out = func(*args, **kwargs)
         self.seconds.append(time.perf_counter() - start)
@@ -133,11 +131,12 @@ class _Recorder(TorchDispatchMode):
                     self._refs.append(weakref.ref(st, self._freed(key, i)))
         return out
 
-    def settle(self, next_inputs: set[int]) -> None:
-        """Attribute the packs made since the last op: autograd saves an op's inputs just before the op
-        runs and its outputs just after, so a saved input of the op about to run was saved by it."""
-        for key, last, module in self.pending:
-            self.packs.append((last + 1 if key in next_inputs else last, module))
+    def settle(self) -> None:
+        """Attribute the packs made since the last op. Autograd saves an op's inputs just before the op
+        runs and its outputs just after; either way, when a recomputation's last save happens, the op
+        dispatched last is the last one that ran (the early stop is raised inside the save)."""
+        for last, module in self.pending:
+            self.packs.append((last, module))
         self.pending.clear()
 
     def _freed(self, key: int, i: int) -> Any:
@@ -150,8 +149,7 @@ class _Recorder(TorchDispatchMode):
         return cb
 
     def pack(self, t: torch.Tensor) -> None:
-        key = storage_key(t) if t.layout == torch.strided else -1
-        self.pending.append((key, len(self.ops) - 1, self.scopes.current))
+        self.pending.append((len(self.ops) - 1, self.scopes.current))
         if t.layout == torch.strided:
             rec = self.by_key.get(storage_key(t))
             if rec is not None:
@@ -182,7 +180,7 @@ def record_forward(workload: Workload, *, repeats: int = 7) -> ForwardRecord:
                 del output, loss
         finally:
             scopes.close()
-        rec.settle(set())
+        rec.settle()
         for r in rec.records:
             if r[2] is None:
                 r[2] = len(rec.ops)
@@ -389,8 +387,8 @@ def _candidate(
     saved_in = _saved_inside(plain, info, path, f0, f1, t0)
     if not saved_in:
         return None
-    # Early stop: the recomputation ends once every tensor the region saved is saved again, i.e. after
-    # the last op of the region that saves anything (its own outputs, its inputs or its weights).
+    # Early stop: the recomputation ends inside the save of the last tensor the region saved (its own
+    # outputs, its inputs or its weights): the op dispatched just before that save is the last that runs.
     stop = max(plain.entries[i].alloc_event for i in saved_in)  # type: ignore[type-var]
     if record is not None and record.packs:
         stop = max([stop, *(f for f, m in record.packs if f0 <= f <= f1 and _subtree(path, m))])

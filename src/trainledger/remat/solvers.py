@@ -286,7 +286,7 @@ def chain_savings(model: LinearModel) -> list[list[int]]:
     return out
 
 
-def solve_dp(model: LinearModel, budget_bytes: int, *, max_states: int = 4096) -> Solution:
+def solve_dp(model: LinearModel, budget_bytes: int, *, max_states: int = 100_000) -> Solution:
     """Exact minimum-cost plan for a chain, by dynamic programming over positions.
 
     State after deciding positions ``0..k-1``: ``D`` = bytes their choices save while position ``k`` and
