@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,11 +112,11 @@ def compute(args: argparse.Namespace) -> ShardReport:
         from trainledger.trace import trace
         from trainledger.workload import load_workload
 
-        ledger = trace(load_workload(args.model))
+        workload = load_workload(args.model)
+        ledger = trace(workload)
         source = f"{args.model}, traced in one process"
         engine = args.engine or "torch"
-        step = ledger.meta.get("traced_step_seconds")
-        compute_seconds = {"forward": step / 3, "backward": 2 * step / 3} if step else None
+        compute_seconds = _phase_seconds(workload) if args.link_gbps is not None else None
     elif args.params:
         ns = argparse.Namespace(**{**vars(args), "model": None, "no_step": False})
         result = state_cmd.compute(ns)
@@ -139,6 +140,17 @@ def compute(args: argparse.Namespace) -> ShardReport:
             else None
         )
     return ShardReport(source, tuple(results), tuple(times))
+
+
+def _phase_seconds(workload: Any) -> dict[str, float]:
+    """Wall time of each phase of one untraced step (the compute collectives can hide behind)."""
+    import time
+
+    from trainledger.workload import run_step
+
+    marks: list[tuple[str, float]] = []
+    run_step(workload, on_phase=lambda phase: marks.append((phase, time.perf_counter())))
+    return {a: t1 - t0 for (a, t0), (_, t1) in itertools.pairwise(marks)}
 
 
 def run(args: argparse.Namespace) -> int:

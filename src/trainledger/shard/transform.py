@@ -630,24 +630,32 @@ class _Context:
         if self.traced:
             fwd_order = [u for u in _order(self.spans, "forward") if u in groups]
             names = fwd_order + [u for u in names if u not in fwd_order]
-        for phase in ("forward", "backward"):
-            order = names if phase == "forward" else names[::-1]
-            for unit in order:
-                ps = groups[unit]
-                label = unit or "<root>"
-                if phase == "forward" or plan.regather_backward:
-                    if phase == "forward" or not self.traced or (unit, "backward") in self.spans:
-                        w = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n * dtype_bytes(p.dtype) for p in ps)
-                        out.append(Collective("all_gather", phase, f"params of {label}", w, n))
-                if phase == "backward":
-                    tr = [p for p in ps if p.category == Category.WEIGHTS]
-                    if not tr:
-                        continue
-                    g = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n for p in tr) * gsize
-                    out.append(Collective("reduce_scatter", "backward", f"grads of {label}", g, n))
-                    if plan.replicas > 1:
-                        label = f"grad shards of {label}"
-                        out.append(Collective("all_reduce", "backward", label, g // n, plan.replicas))
+
+        def gather(unit: str, phase: str) -> None:
+            w = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n * dtype_bytes(p.dtype) for p in groups[unit])
+            out.append(Collective("all_gather", phase, f"params of {unit or '<root>'}", w, n))
+
+        def reduce(unit: str) -> None:
+            tr = [p for p in groups[unit] if p.category == Category.WEIGHTS]
+            if not tr:
+                return
+            label = unit or "<root>"
+            g = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n for p in tr) * gsize
+            out.append(Collective("reduce_scatter", "backward", f"grads of {label}", g, n))
+            if plan.replicas > 1:
+                out.append(Collective("all_reduce", "backward", f"grad shards of {label}", g // n, plan.replicas))
+
+        for unit in names:
+            gather(unit, "forward")
+        # backward: the root's hooks run first (gather) and last (reduce); children in reverse order
+        backward = [u for u in names[::-1] if u] + [u for u in names if not u]
+        regather = [u for u in backward if not self.traced or (u, "backward") in self.spans]
+        if plan.regather_backward and "" in regather:
+            gather("", "backward")
+        for unit in backward:
+            if unit and plan.regather_backward and unit in regather:
+                gather(unit, "backward")
+            reduce(unit)
         return out
 
 
