@@ -273,6 +273,25 @@ def _dpo_loss(policy: nn.Module, reference: nn.Module) -> Any:
     return loss_fn
 
 
+def _declare_unpacked(model: nn.Module) -> None:
+    """Our batches hold one sequence per row. transformers checks that by reading ``position_ids``
+    (``find_packed_sequence_indices``); on fake tensors it cannot, assumes packing, and builds an explicit
+    causal mask (with SDPA: a different kernel path, repeated K/V for GQA) that the real step never builds.
+    During this model's forward the check answers "not packed", as it does on the real batch."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def before(_module: nn.Module, _args: Any, _kwargs: Any) -> None:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+
+    def after(_module: nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
+        masking_utils.find_packed_sequence_indices = original
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+
 class _LossOnly(nn.Module):
     """Holds the policy for a loss computed entirely in ``loss_fn`` (DPO)."""
 
@@ -351,10 +370,14 @@ def workload_from_hf_config(
         targets = tuple(lora_targets or DEFAULT_LORA_TARGETS.get(cfg.spec.family, ("q_proj", "v_proj")))
         with mode if fake else contextlib.nullcontext():
             apply_lora(model, lora_rank, targets)
+    if fake:
+        _declare_unpacked(model)
     ref_model = None
     if reference:
         ref_model = build_model(cfg, dtype=dtype, attn_impl=attn_impl, device=device, fake_mode=mode, seed=seed + 1)
         ref_model.requires_grad_(False)
+        if fake:
+            _declare_unpacked(ref_model)
     gen = torch.Generator().manual_seed(seed)
     with mode if fake else contextlib.nullcontext():
 

@@ -1,0 +1,138 @@
+"""Hugging Face configs: built locally (meta, fake, CPU), traced fake at the same peak as for real, and the
+analytic model within 3% of the traced peak, for every family. Oracles: transformers' own parameter count,
+a real CPU trace of the same small model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from trainledger.analytic import Setup, arch_from_config, num_params
+from trainledger.analytic._model import analytic_ledger
+from trainledger.errors import InputError
+
+pytest.importorskip("transformers")
+
+from trainledger.hf import apply_lora, build_model, load_hf_config, workload_from_hf_config
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+SMALL = sorted(FIXTURES.glob("*-small.json"))
+MB, T = 2, 32
+
+
+def test_hub_is_offline_and_remote_code_is_dropped(tmp_path):
+    cfg = json.loads((FIXTURES / "llama-small.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "someone/repo--modeling.Evil"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = build_model(load_hf_config(tmp_path), device="meta")
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    assert type(model).__module__.startswith("transformers.models.llama")
+    assert not hasattr(model.config, "auto_map") or not model.config.auto_map
+
+
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.stem)
+def test_fake_workload_is_full_model_without_storage(path):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    w = workload_from_hf_config(path, micro_batch=MB, seq_len=T, fake=True)
+    params = list(w.model.parameters())
+    assert all(isinstance(p, FakeTensor) for p in params)
+    assert sum(p.numel() for p in params) == num_params(arch_from_config(json.loads(path.read_text())))
+
+
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.stem)
+def test_lora_trains_rank_r_adapters_only(path):
+    """Trainable parameters: r·(d_in + d_out) per adapted linear, counted by hand and by the analytic ledger."""
+    cfg = json.loads(path.read_text())
+    spec = arch_from_config(cfg)
+    w = workload_from_hf_config(cfg, micro_batch=1, seq_len=8, lora_rank=4)
+    trainable = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in w.model.parameters() if not p.requires_grad)
+    H = spec.hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = {"gpt2": 4 * (H + 3 * H), "gpt_neox": 4 * (H + 3 * H)}.get(spec.family, 4 * (H + q) + 4 * (H + kv))
+    assert trainable == spec.num_layers * per_layer
+    assert frozen == num_params(spec)
+    led = analytic_ledger(spec, Setup(micro_batch=1, seq_len=8, lora_rank=4))
+    assert led.num_params() == trainable
+
+
+def test_lora_targets_that_match_nothing_say_what_exists():
+    model = build_model(load_hf_config(FIXTURES / "llama-small.json"), device="meta")
+    with pytest.raises(InputError, match=r"match no linear layer; this model has: .*q_proj"):
+        apply_lora(model, 4, ["query"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"micro_batch": 0}, "--micro-batch 0"),
+        ({"seq_len": 1}, "--seq-len 1"),
+        ({"recipe": "fp8"}, "unknown precision recipe 'fp8'"),
+        ({"optimizer": "lamb"}, "unknown optimizer 'lamb'"),
+        ({"attn_impl": "flash"}, "unknown attention implementation 'flash'"),
+        ({"lora_rank": -1}, "--lora-rank -1"),
+    ],
+)
+def test_bad_workload_options(kwargs, fragment):
+    with pytest.raises(InputError, match=fragment):
+        workload_from_hf_config(FIXTURES / "llama-small.json", **kwargs)
+
+
+def test_gpt2_positions_limit_the_sequence():
+    with pytest.raises(InputError, match="exceeds the 256 learned positions"):
+        workload_from_hf_config(FIXTURES / "gpt2-small.json", seq_len=512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SMALL, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("attn", "recipe"), [("sdpa", "bf16"), ("eager", "fp32")])
+def test_fake_trace_equals_real_trace_and_analytic_is_within_3_percent(path, attn, recipe):
+    from trainledger.trace import trace
+
+    if path.stem.startswith("mixtral") and recipe == "fp32":
+        recipe = "bf16"  # torch's fake grouped-matmul kernel takes bf16 only (the real CPU kernel takes fp32 too)
+
+    real = trace(workload_from_hf_config(path, micro_batch=MB, seq_len=T, recipe=recipe, attn_impl=attn))
+    fake = trace(
+        workload_from_hf_config(path, micro_batch=MB, seq_len=T, recipe=recipe, attn_impl=attn, fake=True), fake=True
+    )
+    assert fake.peak().bytes == real.peak().bytes
+    assert fake.num_params() == real.num_params()
+    spec = arch_from_config(json.loads(path.read_text()))
+    analytic = analytic_ledger(spec, Setup(micro_batch=MB, seq_len=T, recipe=recipe, attn_impl=attn, device="cpu"))
+    assert analytic.num_params() == real.num_params()
+    assert abs(analytic.peak().bytes - fake.peak().bytes) <= 0.03 * fake.peak().bytes
+    assert analytic.peak().phase == fake.peak().phase
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [{"lora_rank": 4}, {"reference": True}], ids=["lora", "dpo"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_lora_and_dpo_analytic_within_3_percent_of_trace(family, kwargs):
+    from trainledger.trace import trace
+
+    path = FIXTURES / f"{family}-small.json"
+    traced = trace(workload_from_hf_config(path, micro_batch=MB, seq_len=T, recipe="bf16", **kwargs))
+    spec = arch_from_config(json.loads(path.read_text()))
+    analytic = analytic_ledger(spec, Setup(micro_batch=MB, seq_len=T, recipe="bf16", device="cpu", **kwargs))
+    assert analytic.num_params() == traced.num_params()
+    assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.03 * traced.peak().bytes
+
+
+@pytest.mark.slow
+def test_master_weights_recipe_peaks_in_the_optimizer_as_traced():
+    """bf16 weights, fp32 masters and moments: the fp32 master gradients exist only during the step."""
+    from trainledger.trace import trace
+
+    path = FIXTURES / "llama-small.json"
+    traced = trace(workload_from_hf_config(path, micro_batch=MB, seq_len=T, recipe="bf16-master"))
+    spec = arch_from_config(json.loads(path.read_text()))
+    analytic = analytic_ledger(spec, Setup(micro_batch=MB, seq_len=T, recipe="bf16-master", device="cpu"))
+    P = num_params(spec)
+    assert traced.peak().phase == analytic.peak().phase == "optimizer"
+    assert analytic.peak().by_category["gradients"] == traced.peak().by_category["gradients"] == 2 * P + 4 * P
+    assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.001 * traced.peak().bytes
