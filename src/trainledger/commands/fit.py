@@ -114,7 +114,7 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
             c.recipe,
             _gib(c.peak_bytes),
             _gib(c.overflow_bytes),
-            f"{cat} {_gib(nbytes)} ({c.peak_phase})",
+            f"{cat} {_gib(nbytes)} in {c.peak_phase}; largest {c.largest_entry[0]} {_gib(c.largest_entry[1])}",
         )
     if result.overflowing:
         items.append(over)
