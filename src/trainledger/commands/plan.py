@@ -83,7 +83,7 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         gap = "no optimality bound (a heuristic)"
     lines = [
         f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured "
-        "(ops up to each region's early stop, medians of repeated runs)",
+        "(ops up to each region's early stop, medians of repeated single-thread runs)",
         f"solver: {p.solver}, {gap}" + (f"; LP lower bound {p.lp_bound:.4g}" if p.lp_bound is not None else ""),
         f"floor: the lowest peak any plan reaches here is {p.floor_bytes or 0:,} bytes "
         f"({both_units(p.floor_bytes or 0)}); persistent state and the largest op alone are "
@@ -108,7 +108,7 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
                         f"of {v.num_gradients})",
                         f"  step time: plain {v.plain_step_seconds * 1e3:.1f} ms, with the plan "
                         f"{v.planned_step_seconds * 1e3:.1f} ms: {v.extra_step_seconds * 1e3:+.1f} ms "
-                        "(medians of 7 untraced steps each, interleaved)",
+                        "(medians of 7 untraced steps each, interleaved, one thread)",
                     ]
                 )
             )

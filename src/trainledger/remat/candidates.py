@@ -163,12 +163,30 @@ def record_forward(workload: Workload, *, repeats: int = 7) -> ForwardRecord:
     The first run warms up; per-op times are medians of the others. Nothing is updated (no backward, no
     optimizer step); BatchNorm running statistics are restored afterwards.
     """
-    from torch.utils.flop_counter import flop_registry
-
     model = workload.model
     buffers = {k: v.clone() for k, v in model.state_dict().items() if not isinstance(v, nn.Parameter)}
     roots = [("", model)] + ([("reference", workload.reference)] if workload.reference is not None else [])
     runs: list[_Recorder] = []
+    threads = torch.get_num_threads()
+    # One intra-op thread while timing: on a busy machine, waiting for a descheduled worker thread makes
+    # single ops 100x slower at random; one thread gives stable relative costs, which is what the
+    # solvers need (absolute times are those of one thread).
+    torch.set_num_threads(1)
+    try:
+        _record_runs(workload, roots, runs, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k in buffers:
+                v.copy_(buffers[k])
+    return _combine(runs)
+
+
+def _record_runs(workload: Workload, roots: list[tuple[str, nn.Module]], runs: list[_Recorder], repeats: int) -> None:
+    from torch.utils.flop_counter import flop_registry
+
+    model = workload.model
     for _ in range(max(1, repeats) + 1):
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, flop_registry)
@@ -185,10 +203,9 @@ def record_forward(workload: Workload, *, repeats: int = 7) -> ForwardRecord:
             if r[2] is None:
                 r[2] = len(rec.ops)
         runs.append(rec)
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if k in buffers:
-                v.copy_(buffers[k])
+
+
+def _combine(runs: list[_Recorder]) -> ForwardRecord:
     first = runs[-1]
     timed = runs[1:] if len(runs) > 1 else runs
     seconds = tuple(statistics.median(r.seconds[i] for r in timed) for i in range(len(first.ops)))

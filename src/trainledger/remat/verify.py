@@ -111,11 +111,14 @@ def compare_gradients(workload: Workload, plan: Plan, *, seed: int = 0) -> tuple
 
 def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[float, float]:
     """Median wall times of untraced steps without and with ``plan``, interleaved so that load on the
-    machine affects both alike (one warm-up step of each first); model and optimizer restored after."""
+    machine affects both alike (one warm-up step of each first), on one intra-op thread; model and
+    optimizer restored after."""
     model, opt = workload.model, workload.get_optimizer()
     state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     plain: list[float] = []
     planned: list[float] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the per-op costs: stable on a busy machine (see candidates.record_forward)
     try:
         for i in range(repeats + 1):
             for times, applied in ((plain, False), (planned, True)):
@@ -130,6 +133,7 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
                     if applied:
                         plan.remove(model)
     finally:
+        torch.set_num_threads(threads)
         model.load_state_dict(state)
         opt.load_state_dict(opt_state)
     return statistics.median(plain), statistics.median(planned)
