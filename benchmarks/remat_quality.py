@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from remat_models import unet_small
 
 from trainledger.examples import gpt_tiny
-from trainledger.remat.pareto import pareto, plot_pareto
+from trainledger.remat import pareto, plot_pareto
 from trainledger.remat.solvers import Chain, LinearModel, solve_dp, solve_milp, uniform_chain_model
 
 MODELS = {"gpt-tiny": gpt_tiny, "unet-small": unet_small}

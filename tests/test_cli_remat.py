@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainledger.remat.plan import Plan
+from trainledger.remat import Plan
 
 SMALL_GPT = """
 from trainledger.examples import gpt_tiny

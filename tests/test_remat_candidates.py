@@ -11,8 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainledger.errors import InputError
 from trainledger.examples import gpt_tiny
+from trainledger.remat import Plan, Region, structure_fingerprint
 from trainledger.remat.candidates import regions_of, replay
-from trainledger.remat.plan import Plan, Region, structure_fingerprint
 from trainledger.remat.planner import InfeasibleBudget, Planner, parse_budget
 from trainledger.remat.solvers import brute_force, chain_savings, solve_dp, solve_milp
 from trainledger.trace import trace

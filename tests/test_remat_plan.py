@@ -9,7 +9,7 @@ import torch
 
 from trainledger.errors import InputError
 from trainledger.examples import gpt_tiny
-from trainledger.remat.plan import Plan, Region, structure_fingerprint
+from trainledger.remat import Plan, Region, structure_fingerprint
 from trainledger.workload import Workload, call_model, compute_loss
 
 

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
 from trainledger.errors import InputError
-from trainledger.remat.pareto import PLOT_SUFFIXES, ParetoResult, Point, pareto, plot_pareto
+from trainledger.remat._pareto import PLOT_SUFFIXES, ParetoResult, Point, pareto, plot_pareto
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.workload import load_workload
 

@@ -11,10 +11,10 @@ from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, print_json
 from trainledger.errors import InputError
-from trainledger.remat.plan import Plan
+from trainledger.remat._plan import Plan
+from trainledger.remat._verify import AGREEMENT
 from trainledger.remat.planner import PlanResult, parse_budget, plan_and_verify
 from trainledger.remat.solvers import SOLVERS
-from trainledger.remat.verify import AGREEMENT
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
 from trainledger.workload import load_workload
 

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainledger.inventory import storage_key
 from trainledger.ledger import Category, Entry, Event, Ledger
-from trainledger.remat.plan import SAVED_OP_NAMES, Policy, Region
+from trainledger.remat._plan import SAVED_OP_NAMES, Policy, Region
 from trainledger.remat.solvers import Chain, LinearModel
 from trainledger.trace._scopes import ModuleScopes
 from trainledger.workload import Workload, call_model, compute_loss

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
+from trainledger.remat._plan import Plan, structure_fingerprint
 from trainledger.remat.candidates import (
     Candidates,
     CostKind,
@@ -22,7 +23,6 @@ from trainledger.remat.candidates import (
     regions_of,
     replay,
 )
-from trainledger.remat.plan import Plan, structure_fingerprint
 from trainledger.remat.solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
 from trainledger.units import format_bytes, parse_size
 from trainledger.workload import Workload
@@ -231,7 +231,7 @@ class PlanResult:
     candidates: tuple[dict[str, Any], ...]
     state_floor_bytes: int
     verification: Any = None
-    """A :class:`~trainledger.remat.verify.Verification`, or ``None`` without ``--verify``."""
+    """A :class:`~trainledger.remat._verify.Verification`, or ``None`` without ``--verify``."""
 
     def to_dict(self) -> dict[str, Any]:
         out = self.plan.to_dict()
@@ -261,7 +261,7 @@ def plan_and_verify(
     p = planner.solve(budget, solver=solver, time_limit_s=time_limit_s)
     verification = None
     if verify:
-        from trainledger.remat.verify import verify as run_verify
+        from trainledger.remat._verify import verify as run_verify
 
         verification = run_verify(workload, p)
     rows = tuple(iter_candidate_rows(planner.candidates))

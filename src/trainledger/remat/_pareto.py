@@ -179,7 +179,7 @@ def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:
 def _verified(planner: Planner, workload: Workload, point: Point, budget: int) -> Point:
     from dataclasses import replace
 
-    from trainledger.remat.verify import verify
+    from trainledger.remat._verify import verify
 
     cs = planner.candidates
     choice = [j for j, c in enumerate(cs.candidates) if c.name in point.regions]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainledger.ledger import Ledger
-from trainledger.remat.plan import Plan
+from trainledger.remat._plan import Plan
 from trainledger.workload import Workload, call_model, compute_loss, run_step
 
 AGREEMENT = 0.01
