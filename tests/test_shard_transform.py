@@ -270,3 +270,20 @@ def test_time_estimate_and_exposure():
     assert estimate_time(cs, link_gbps=8.0).exposed_seconds == pytest.approx(2.0)
     with pytest.raises(InputError, match="--link-gbps"):
         estimate_time(cs, link_gbps=0)
+
+
+def test_ddp_broadcasts_buffers_every_forward():
+    """DDP (broadcast_buffers=True) sends rank 0's buffers before each forward, one call per dtype."""
+    entries = (
+        Entry("w", Category.WEIGHTS, "param", "float32", 10, 40),
+        Entry("w.grad", Category.GRADIENTS, "grad", "float32", 10, 40),
+        Entry("bn.running_mean", Category.OTHER, "buffer", "float32", 4, 16),
+        Entry("bn.num_batches_tracked", Category.OTHER, "buffer", "int64", 1, 8),
+    )
+    res = shard(Ledger(entries), world_size=2, strategy="zero0", engine="torch")
+    assert [(c.kind, c.payload_bytes, c.num_calls) for c in res.collectives] == [
+        ("broadcast", 24, 2),
+        ("all_reduce", 40, 1),
+    ]
+    # DeepSpeed's engine does not broadcast buffers
+    assert {c.kind for c in shard(Ledger(entries), world_size=2, strategy="zero0").collectives} == {"all_reduce"}

@@ -62,6 +62,9 @@ DEEPSPEED_REDUCE_BUCKET_NUMEL = 500_000_000
 """DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """``DistributedDataParallel(bucket_cap_mb=25)``: PyTorch's default bucket size (MiB)."""
+DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20
+"""DDP broadcasts module buffers before every forward in coalesced buckets of 250 MiB
+(``DistributedDataParallel.broadcast_bucket_size``)."""
 
 
 def parse_strategy(text: str | int) -> Strategy:
@@ -611,6 +614,15 @@ class _Context:
             calls = max(1, -(-grad_numel * gsize // bucket))
             kind = "all_reduce" if not plan.shard_optimizer or plan.buffers == "ddp" else "reduce_scatter"
             out = [Collective(kind, "backward", "gradients", grad_numel * gsize, n, calls)]
+            by_dtype: dict[str, int] = {}
+            for e in self.ledger.entries:
+                if e.category == Category.OTHER and e.role == "buffer":
+                    by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
+            if plan.buffers == "ddp" and by_dtype:  # broadcast_buffers: rank 0's buffers before every forward,
+                # coalesced per dtype into buckets
+                calls = sum(-(-b // DDP_BROADCAST_BUCKET_BYTES) for b in by_dtype.values())
+                label = "buffers from rank 0"
+                out.insert(0, Collective("broadcast", "forward", label, sum(by_dtype.values()), n, calls))
             if plan.shard_optimizer and not plan.shard_params:
                 if plan.partition == "greedy":  # each owner broadcasts its updated parameters
                     w = sum(p.nbytes for p in trainable)
