@@ -287,3 +287,22 @@ def test_ddp_broadcasts_buffers_every_forward():
     ]
     # DeepSpeed's engine does not broadcast buffers
     assert {c.kind for c in shard(Ledger(entries), world_size=2, strategy="zero0").collectives} == {"all_reduce"}
+
+
+def test_units_without_input_grads_are_reduced_at_the_end():
+    """A unit fed the batch (no input requires grad) is resharded and reduced in FSDP's final callback,
+    after the root: its gathered parameters and full gradients live until then."""
+    res = shard(_traced(), world_size=2, strategy="full_shard", late_units=("h.0",))
+    led = res.ranks[0]
+    ops = [(ev.op, ev.module) for ev in led.events[21:25]]
+    assert ops == [
+        ("fsdp.reduce_scatter_copy_in", "(root)"),
+        ("fsdp.reduce_scatter", "(root)"),
+        ("fsdp.reduce_scatter_copy_in", "h.0"),
+        ("fsdp.reduce_scatter", "h.0"),
+    ]
+    life = {e.name: (e.alloc_event, e.free_event) for e in led.entries}
+    assert life["gathered params h.0 (backward)"] == (16, 23)
+    assert life["h.0.a.grad"] == (18, 24)
+    assert life["reduce-scatter input <root>"] == (21, 23)
+    assert life["reduce-scatter input h.0"] == (23, 25)

@@ -108,7 +108,9 @@ def compute(args: argparse.Namespace) -> ShardReport:
     if args.prefetch < 0:
         raise InputError(f"--prefetch {args.prefetch} must be 0 or more units")
     compute_seconds = None
+    fsdp_facts: dict[str, Any] = {}
     if args.model:
+        from trainledger.shard.launch import _units_of, late_units
         from trainledger.trace import trace
         from trainledger.workload import load_workload
 
@@ -117,6 +119,8 @@ def compute(args: argparse.Namespace) -> ShardReport:
         source = f"{args.model}, traced in one process"
         engine = args.engine or "torch"
         compute_seconds = _phase_seconds(workload) if args.link_gbps is not None else None
+        units = _units_of(workload.model)
+        fsdp_facts = {"units": units, "late_units": late_units(workload, units)}
     elif args.params:
         ns = argparse.Namespace(**{**vars(args), "model": None, "no_step": False})
         result = state_cmd.compute(ns)
@@ -131,6 +135,7 @@ def compute(args: argparse.Namespace) -> ShardReport:
             engine=engine,
             num_nodes=args.nodes,
             backward_prefetch=args.prefetch,
+            **fsdp_facts,
         )
         res = shard(ledger, config)
         results.append(res)

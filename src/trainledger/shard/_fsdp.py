@@ -68,12 +68,21 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
     regather = plan.regather_backward
     for u in fwd:
         before.setdefault(spans[(u, "forward")][0], []).append(_Hook("pre_forward", u))
+    phases_old = [ev.phase for ev in led.events]
+    last_bwd = max((i for i, ph in enumerate(phases_old) if ph == "backward"), default=num_old - 1)
+    late = {"", *cfg.late_units}  # reduced in FSDP's final callback, at the end of backward
+    module_order = {u: k for k, u in enumerate(("", *ctx.units))}
     for u in bwd:
         b0, b1 = spans[(u, "backward")]
         if regather:
             before.setdefault(b0, []).append(_Hook("pre_backward", u))
         if g_numel[u]:
-            before.setdefault(b1 + 1, []).append(_Hook("post_backward", u))
+            before.setdefault(last_bwd + 1 if u in late else b1 + 1, []).append(_Hook("post_backward", u))
+
+    def post_key(h: _Hook) -> tuple[int, int]:
+        # hooked units fire inside autograd (innermost first), then the final callback in module order
+        return (1, module_order.get(h.unit, 0)) if h.unit in late else (0, -len(h.unit))
+
     events: list[Event] = []
     new_of = [0] * (num_old + 1)
     gap_start = [0] * (num_old + 1)
@@ -81,7 +90,7 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
     for i in range(num_old + 1):
         gap_start[i] = len(events)
         hooks = before.get(i, [])
-        posts = sorted((h for h in hooks if h.kind == "post_backward"), key=lambda h: -len(h.unit))
+        posts = sorted((h for h in hooks if h.kind == "post_backward"), key=post_key)
         pres = sorted((h for h in hooks if h.kind != "post_backward"), key=lambda h: len(h.unit))
         for h in (*posts, *pres):
             at[(h.kind, h.unit)] = len(events)
@@ -99,9 +108,7 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             events.append(replace(led.events[i], index=len(events)))
     new_of[num_old] = len(events)
     total = len(events)
-    phases_old = [ev.phase for ev in led.events]
     end_forward = gap_start[next((i for i, ph in enumerate(phases_old) if ph != "forward"), num_old)]
-    last_bwd = max((i for i, ph in enumerate(phases_old) if ph == "backward"), default=num_old - 1)
     end_backward = max([gap_start[min(last_bwd + 1, num_old)]] + [at[k] + 2 for k in at if k[0] == "post_backward"])
 
     def remap(e: Entry) -> Entry:

@@ -208,7 +208,8 @@ def run(config: RunConfig) -> RunResult:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
     reference = trace(load_workload(config.model))
-    units = _units_of(load_workload(config.model).model)
+    workload = load_workload(config.model)
+    units = _units_of(workload.model)
     prediction = shard(
         reference,
         ShardConfig(
@@ -216,6 +217,7 @@ def run(config: RunConfig) -> RunResult:
             strategy=config.strategy,
             engine="torch",
             units=units,
+            late_units=late_units(workload, units),
             reduce_scatter_copy=config.backend == "gloo",
         ),
     )
@@ -225,6 +227,28 @@ def run(config: RunConfig) -> RunResult:
         "reduce-scatter: input), counted on each rank",
     )
     return RunResult(config, prediction, reference, ranks, notes)
+
+
+def late_units(workload: Any, units: tuple[str, ...]) -> tuple[str, ...]:
+    """Units none of whose forward calls gets an input that requires grad (FSDP reduces them at the end
+    of backward), found by running the workload's forward once with pre-hooks on the units."""
+    from trainledger.workload import call_model, iter_tensors
+
+    seen: dict[str, bool] = {u: False for u in units}
+    handles = []
+    for unit in units:
+
+        def hook(_module: nn.Module, args: Any, kwargs: Any, unit: str = unit) -> None:
+            seen[unit] |= any(t.requires_grad for t in iter_tensors((args, kwargs)))
+
+        handles.append(workload.model.get_submodule(unit).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            call_model(workload.model, workload.batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return tuple(u for u in units if not seen[u])
 
 
 def _check_model_spec(spec: str) -> None:

@@ -107,6 +107,10 @@ class ShardConfig:
     """``deepspeed``: elements per gradient reduce bucket."""
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES
     """``torch`` stages 0–1: bytes per DDP gradient bucket (sets the number of all-reduce calls)."""
+    late_units: tuple[str, ...] = ()
+    """FSDP units whose forward inputs need no gradient (they take the batch, or an index into it): FSDP
+    cannot hook their backward, so it reshards and reduces them only at the end of backward, root
+    first, then in module order."""
     reduce_scatter_copy: bool = False
     """FSDP on gloo: the reduce-scatter works on a full-size copy of its input while it runs."""
 
