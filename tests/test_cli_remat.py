@@ -69,6 +69,12 @@ def test_impossible_budget_is_exit_2_with_the_floor(cli, small_gpt):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_model_without_candidates_says_why(cli):
+    code, out, err = cli("plan", "--model", "mlp", "--budget", "50%")
+    assert code == 2
+    assert "no region worth recomputing" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [

@@ -167,7 +167,25 @@ def pareto(
         _fixed(planner, "uniform", blocks),
         _fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
         cost,
+        extra={"torch_sac_ilp": {"ran": False, "summary": _sac_unavailable()}},
     )
+
+
+def _sac_unavailable() -> str:
+    """Why PyTorch's SAC MILP is not compared here. Its inputs come from ``RuntimeEstimator`` and
+    ``SACEstimator``, which time kernels with CUDA events, and it needs ``pulp``."""
+    import importlib.util
+
+    import torch
+
+    missing = []
+    if importlib.util.find_spec("pulp") is None:
+        missing.append("pulp (pip install pulp)")
+    if not torch.cuda.is_available():
+        missing.append("a CUDA device (its runtime and SAC estimators time kernels with CUDA events)")
+    if missing:
+        return "not run: it needs " + " and ".join(missing)
+    return "not run: its estimators need the model on CUDA; this sweep runs the step where the workload is"
 
 
 def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:

@@ -141,6 +141,16 @@ class Planner:
                 raise InputError(
                     f"solver {solver} found no plan within {_both(budget_bytes)} ({exc}); use --solver auto or milp"
                 ) from None
+            if not self.candidates.candidates:
+                raise InfeasibleBudget(
+                    f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, and "
+                    "this model has no region worth recomputing (each module called once, saving activations "
+                    "of its own: e.g. blocks of a ModuleList; single layers keep their inputs anyway); group "
+                    "layers into block modules, or raise the budget",
+                    budget_bytes=budget_bytes,
+                    floor_bytes=self.floor_bytes,
+                    best=best,
+                ) from None
             raise InfeasibleBudget(
                 f"budget {_both(budget_bytes)} is below the floor {_both(self.floor_bytes)}: the lowest peak "
                 f"any plan reaches on this model (persistent state and the largest op's outputs alone are "
