@@ -633,9 +633,32 @@ def linear_model(cs: Candidates, *, cost: CostKind = "seconds") -> LinearModel:
     """
     every = list(range(len(cs.candidates)))
     base = np.asarray(replay(cs, [], phantoms=every).totals(), dtype=np.int64)
-    delta = np.zeros((len(every), len(base)), dtype=np.int64)
-    for j in every:
-        delta[j] = np.asarray(replay(cs, [j], phantoms=every).totals(), dtype=np.int64) - base
+    lay = _layout(cs, every)
+    num_points = len(base)
+    delta = np.zeros((len(every), num_points), dtype=np.int64)
+
+    def interval(e: Entry) -> tuple[int, int]:
+        return (0 if e.alloc_event is None else e.alloc_event), (num_points if e.free_event is None else e.free_event)
+
+    for j in every:  # only the entries candidate j moves or adds: a difference array over the points
+        touched: dict[int, Entry] = {}
+        extra: list[Entry] = []
+        _replay_one(cs, j, cs.candidates[j], lay, touched, extra)
+        diff = np.zeros(num_points + 1, dtype=np.int64)
+        for i, moved in touched.items():
+            old = cs.plain.entries[i]
+            a = 0 if old.alloc_event is None else int(lay.new[old.alloc_event])
+            b = num_points if old.free_event is None else int(lay.new[old.free_event])
+            diff[a] -= old.nbytes
+            diff[b] += old.nbytes
+            a, b = interval(moved)
+            diff[a] += moved.nbytes
+            diff[b] -= moved.nbytes
+        for e in extra:
+            a, b = interval(e)
+            diff[a] += e.nbytes
+            diff[b] -= e.nbytes
+        delta[j] = np.cumsum(diff[:-1])
     costs = np.array([float(c.seconds if cost == "seconds" else c.flops) for c in cs.candidates])
     chain = _chain(cs, every, len(base))
     return LinearModel(
