@@ -147,3 +147,20 @@ def test_master_weights_recipe_peaks_in_the_optimizer_as_traced():
     assert traced.peak().phase == analytic.peak().phase == "optimizer"
     assert analytic.peak().by_category["gradients"] == traced.peak().by_category["gradients"] == 2 * P + 4 * P
     assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.001 * traced.peak().bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "phi", "qwen2"])
+def test_full_rematerialization_within_3_percent_of_trace(family):
+    """transformers' own gradient checkpointing (every decoder layer, non-reentrant), traced for real."""
+    from trainledger.trace import trace
+
+    path = FIXTURES / f"{family}-small.json"
+    kwargs = {"micro_batch": MB, "seq_len": 64, "recipe": "fp32", "attn_impl": "eager"}
+    traced = trace(workload_from_hf_config(path, remat="full", **kwargs))
+    plain = trace(workload_from_hf_config(path, **kwargs))
+    spec = arch_from_config(json.loads(path.read_text()))
+    setup = Setup(micro_batch=MB, seq_len=64, recipe="fp32", attn_impl="eager", device="cpu", remat="full")
+    analytic = analytic_ledger(spec, setup)
+    assert traced.category_maxima()["activations"] < plain.category_maxima()["activations"] / 2
+    assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.03 * traced.peak().bytes

@@ -315,6 +315,7 @@ def workload_from_hf_config(
     lora_targets: Sequence[str] | None = None,
     reference: bool = False,
     fake: bool = False,
+    remat: Literal["none", "full"] = "none",
     seed: int = 0,
 ) -> Workload:
     """One training step of a Hugging Face architecture, ready for :func:`trainledger.trace.trace`.
@@ -334,6 +335,8 @@ def workload_from_hf_config(
             ``micro_batch`` chosen and ``micro_batch`` rejected sequences.
         fake: build everything under ``FakeTensorMode`` (full size, nothing allocated); trace it with
             ``trace(workload, fake=True)``.
+        remat: ``full`` checkpoints every decoder layer (transformers' own gradient checkpointing,
+            non-reentrant): each layer keeps its input and recomputes the rest in backward.
 
     The batch is random token ids; with the plain causal-LM loss it is ``{"input_ids", "labels"}`` and
     the model's own (shifted, fp32-upcast) cross-entropy is the loss.
@@ -370,6 +373,10 @@ def workload_from_hf_config(
         targets = tuple(lora_targets or DEFAULT_LORA_TARGETS.get(cfg.spec.family, ("q_proj", "v_proj")))
         with mode if fake else contextlib.nullcontext():
             apply_lora(model, lora_rank, targets)
+    if remat not in ("none", "full"):
+        raise InputError(f"unknown rematerialization {remat!r} for a traced model; accepted: none, full")
+    if remat == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fake:
         _declare_unpacked(model)
     ref_model = None

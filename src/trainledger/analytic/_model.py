@@ -206,7 +206,8 @@ class _Builder:
             lm = _layer_module(spec, i)
             # each block's output projection first (its weight gradient, its saved input released), then the rest
             bwd[f"mlp_out{i}"] = self.event("backward", "mlp_output_backward", f"{lm}.{_MLP}")
-            bwd[f"mlp{i}"] = self.event("backward", "mlp_block_backward", f"{lm}.{_MLP}")
+            bwd[f"mlp_act{i}"] = self.event("backward", "mlp_activation_backward", f"{lm}.{_MLP}")
+            bwd[f"mlp{i}"] = self.event("backward", "mlp_input_backward", f"{lm}.{_MLP}")
             bwd[f"attn_out{i}"] = self.event("backward", "attention_output_backward", f"{lm}.{_ATTN}")
             bwd[f"attn{i}"] = self.event("backward", "attention_block_backward", f"{lm}.{_ATTN}")
         if self.first:
@@ -263,7 +264,8 @@ class _Builder:
             self.work(f"{lm}.attention.output", a, NH, fwd[f"attn{i}"])
             self.work(f"{lm}.mlp.output", a, NH + _div(N * _mlp_width(spec), t), fwd[f"mlp{i}"])
             self.work(f"{lm}.mlp.output_grads", a, NH + _div(N * _mlp_width(spec), t), bwd[f"mlp_out{i}"])
-            self.work(f"{lm}.mlp.grads", a, NH + mlp_w, bwd[f"mlp{i}"])
+            self.work(f"{lm}.mlp.grads", a, NH + mlp_w, bwd[f"mlp_act{i}"])
+            self.work(f"{lm}.mlp.input_grads", a, NH + _div(N * _mlp_width(spec), t), bwd[f"mlp{i}"])
             self.work(f"{lm}.attention.output_grads", a, 2 * NH, bwd[f"attn_out{i}"])
             self.work(f"{lm}.attention.grads", attn_w[1], attn_w[0], bwd[f"attn{i}"])
             self.work(f"{lm}.residual.grad", a, NH, bwd[f"attn{i}"])
