@@ -376,7 +376,11 @@ def workload_from_hf_config(
     if remat not in ("none", "full"):
         raise InputError(f"unknown rematerialization {remat!r} for a traced model; accepted: none, full")
     if remat == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if fake:
         _declare_unpacked(model)
     ref_model = None
