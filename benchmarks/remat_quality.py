@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from remat_models import unet_small
-
 from trainledger.examples import gpt_tiny
 from trainledger.remat import pareto, plot_pareto
+from trainledger.remat._unet import unet_small
 from trainledger.remat.solvers import Chain, LinearModel, solve_dp, solve_milp, uniform_chain_model
 
 MODELS = {"gpt-tiny": gpt_tiny, "unet-small": unet_small}

@@ -144,3 +144,24 @@ def test_percentages_are_of_the_traced_peak(planner):
     p = planner.solve("80%")
     assert p.budget_bytes == planner.plain_peak_bytes * 80 // 100
     assert p.predicted_peak_bytes <= p.budget_bytes
+
+
+def test_unet_with_skip_connections_plan_verified():
+    """A U-Net is not a transformer chain: encoder outputs are kept for the decoder. The plan still
+    replays exactly enough to land within 1% of the re-traced peak, with bitwise-equal gradients
+    (Dropout2d and BatchNorm inside the recomputed regions)."""
+    from trainledger.remat import verify
+    from trainledger.remat._unet import unet_small
+
+    w = unet_small(batch_size=2)
+    p = Planner.build(w)
+    chain_savings(p.model)  # backward visits the stages in reverse: a chain for the DP
+    budget = (p.plain_peak_bytes + p.floor_bytes) // 2
+    plan = p.solve(budget)
+    assert plan.solver == "dp" and plan.regions
+    assert solve_milp(p.model, budget).cost == pytest.approx(
+        p.model.total_cost([p.candidates.index(r) for r in plan.regions])
+    )
+    v = verify(w, plan, timing=False)
+    assert v.within_budget and v.gradients_bitwise_equal and v.num_gradients > 0
+    assert abs(v.relative_error) <= 0.01

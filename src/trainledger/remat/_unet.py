@@ -1,4 +1,4 @@
-"""Models for the rematerialization benchmark that are not built-in examples: a small U-Net.
+"""A small U-Net for the rematerialization benchmark and tests (not a built-in example).
 
 A U-Net (Ronneberger et al., 2015) is not a chain: every encoder stage's output is kept for the decoder
 stage that mirrors it (the skip connections), so what can be dropped and when differs from a transformer.
