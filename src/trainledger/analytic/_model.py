@@ -212,6 +212,12 @@ class _Builder:
             bwd[f"attn{i}"] = self.event("backward", "attention_block_backward", f"{lm}.{_ATTN}")
         if self.first:
             bwd["embed"] = self.event("backward", "embedding_backward", _embed_module(spec))
+        # the master-weights optimizer casts each gradient to fp32 in turn (one event per tensor, so the
+        # sharding transform sees each copy produced and bucketed on its own), then steps
+        casts: dict[str, int] = {}
+        if setup.master_dtype:
+            for name, _n, module, _layer, _shape in trainable:
+                casts[name] = self.event("optimizer", "gradient_to_master", module)
         opt = self.event("optimizer", "step", "")
         zero = self.event("zero_grad", "zero_grad", "")
 
@@ -288,7 +294,7 @@ class _Builder:
                     "master_grad",
                     self.setup.master_dtype,
                     n,
-                    alloc_event=opt,
+                    alloc_event=casts[name],
                     free_event=zero,
                     shape=shape,
                 )
