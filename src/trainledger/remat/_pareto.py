@@ -203,6 +203,7 @@ def _verified(planner: Planner, workload: Workload, point: Point, budget: int) -
     choice = [j for j, c in enumerate(cs.candidates) if c.name in point.regions]
     sol = Solution(tuple(choice), point.peak_bytes, 0.0, "ours", point.optimal)
     plan = planner.to_plan(sol, budget_bytes=budget)
+    planner.restore()  # the same weights as the plain trace (tracing takes optimizer steps)
     v = verify(workload, plan, timing=False)
     return replace(point, traced_peak_bytes=v.traced_peak_bytes, gradients_bitwise_equal=v.gradients_bitwise_equal)
 

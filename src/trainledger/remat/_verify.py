@@ -142,6 +142,9 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
 def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = True) -> Verification:
     """Apply ``plan`` to ``workload.model``, trace the step, compare gradients and time; then remove it.
 
+    The step is traced from the workload's current state; where shapes depend on the weights (an MoE's
+    routing), restore the state the plan was made from first (``Planner.restore``), as the CLI does.
+
     Arguments:
         repeats: untraced steps timed with and without the plan (interleaved).
         timing: ``False`` skips the timing (both times are then reported as 0).

@@ -366,14 +366,17 @@ def _module_ranges(events: Sequence[Event]) -> dict[str, dict[str, list[int]]]:
 
 
 def _top_level(model: nn.Module, paths: dict[str, dict[str, list[int]]]) -> list[str]:
-    """Children of repeated containers (ModuleList, Sequential) and other direct children, in forward order."""
+    """Children of repeated containers (ModuleList, a Sequential of blocks) and other direct children, in
+    forward order."""
     tops: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(child) >= 2:
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) >= 2:
                 visit(path, child)
+            elif isinstance(child, nn.Sequential) and any(next(c.children(), None) is not None for c in child):
+                visit(path, child)  # a Sequential of blocks; a Sequential of single layers is one block
             elif path in paths and paths[path]["forward"]:
                 tops.append(path)
 

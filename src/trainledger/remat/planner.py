@@ -6,6 +6,7 @@ no plan meets raises :class:`InfeasibleBudget`, which states the floor and carri
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,17 @@ class Planner:
     floor_choice: tuple[int, ...]
     state_floor_bytes: int
     """Persistent state plus the largest single op's outputs: no plan of any kind goes below it."""
+    initial_state: tuple[dict[str, Any], dict[str, Any]] | None = None
+    """Model and optimizer state before the plain step was traced (tracing takes optimizer steps)."""
+
+    def restore(self) -> None:
+        """Put the model and optimizer back in the state the plain step was traced from, so a re-trace
+        sees the same weights (and, in data-dependent models such as an MoE, the same routing)."""
+        if self.initial_state is None:
+            return
+        model_state, opt_state = self.initial_state
+        self.workload.model.load_state_dict(copy.deepcopy(model_state))
+        self.workload.get_optimizer().load_state_dict(copy.deepcopy(opt_state))
 
     @classmethod
     def build(cls, workload: Workload, *, cost: CostKind = "seconds", plain: Ledger | None = None) -> Planner:
@@ -86,12 +98,18 @@ class Planner:
 
         if cost not in ("seconds", "flops"):
             raise InputError(f"unknown cost {cost!r}; accepted: seconds, flops")
-        plain = plain if plain is not None else trace(workload)
+        initial = None
+        if plain is None:
+            initial = (
+                copy.deepcopy(workload.model.state_dict()),
+                copy.deepcopy(workload.get_optimizer().state_dict()),
+            )
+            plain = trace(workload)
         record = record_forward(workload)
         cs = find_candidates(plain, workload.model, record)
         lm = linear_model(cs, cost=cost)
         floor, choice = min_peak(lm)
-        return cls(workload, plain, record, cs, lm, cost, floor, choice, _state_floor(plain))
+        return cls(workload, plain, record, cs, lm, cost, floor, choice, _state_floor(plain), initial)
 
     @property
     def plain_peak_bytes(self) -> int:
@@ -273,6 +291,7 @@ def plan_and_verify(
     if verify:
         from trainledger.remat._verify import verify as run_verify
 
+        planner.restore()  # re-trace from the state the plain step was traced from
         verification = run_verify(workload, p)
     rows = tuple(iter_candidate_rows(planner.candidates))
     return PlanResult(p, rows, planner.state_floor_bytes, verification)
