@@ -92,3 +92,27 @@ def test_applying_twice_and_bad_files_are_clear_errors(tmp_path):
         Plan.load(tmp_path / "absent.json")
     with pytest.raises(InputError, match="policy 'sometimes'"):
         Plan(regions=(Region("blocks.1", "sometimes"),), fingerprint=plan.fingerprint).check(w.model)  # type: ignore[arg-type]
+
+
+def test_plan_json_keys_are_stable():
+    """The plan file's schema: a change here is a change users' saved plans see."""
+    w = gpt_tiny(n_layer=1)
+    d = Plan(regions=(Region("blocks.0"),), fingerprint=structure_fingerprint(w.model)).to_dict()
+    assert sorted(d) == [
+        "budget_bytes",
+        "extra_flops",
+        "extra_seconds",
+        "fingerprint",
+        "floor_bytes",
+        "lp_bound",
+        "model",
+        "optimal",
+        "optimality_gap",
+        "plain_peak_bytes",
+        "plan_notes",
+        "predicted_peak_bytes",
+        "regions",
+        "schema",
+        "solver",
+    ]
+    assert d["schema"] == "trainledger.remat-plan/1"
