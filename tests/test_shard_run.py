@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from trainledger.errors import InputError
-from trainledger.shard.launch import CollectiveCounter, RankError, RunConfig, run
+from trainledger.shard._observe import CollectiveCounter
+from trainledger.shard.launch import RankError, RunConfig, run
 
 pytestmark = pytest.mark.slow
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from trainledger.ledger import Category, Entry, Event, Evidence
+from trainledger.shard._partition import shard_rows
 from trainledger.units import dtype_bytes
 
 if TYPE_CHECKING:
@@ -45,15 +46,15 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
     ``base`` holds the rank's entries other than gradients, gathered parameters and buffers (sharded
     weights, optimizer state, activations…), on the original clock.
     """
-    from trainledger.shard.transform import shard_rows, unit_of
+    from trainledger.shard.transform import unit_of
 
     led, plan, cfg = ctx.ledger, ctx.plan, ctx.config
     n = plan.shard_size
     groups = ctx.unit_params()
     num_old = led.num_events
     spans = ctx.spans
-    fwd = [u for u in _order(spans, "forward") if u in groups]
-    bwd = [u for u in _order(spans, "backward") if u in groups]
+    fwd = [u for u in order_of(spans, "forward") if u in groups]
+    bwd = [u for u in order_of(spans, "backward") if u in groups]
 
     def padded_full(p: Entry) -> int:
         return shard_rows(p.numel, p.shape, n, srank, "dim0")[0] * n
@@ -208,7 +209,7 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
     return tuple(events), out
 
 
-def _order(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[str]:
+def order_of(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[str]:
     """Units in the order they start in ``phase`` (the root first: its hooks run before its children's)."""
     units = [(span[0], unit != "", unit) for (unit, ph), span in spans.items() if ph == phase]
     return [u for _, _, u in sorted(units)]

@@ -41,7 +41,9 @@ from typing import Any, Literal
 
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
-from trainledger.shard._fsdp import fsdp_rank_timeline
+from trainledger.shard._collectives import step_collectives
+from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
+from trainledger.shard._partition import greedy_owners, shard_rows
 from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
 from trainledger.units import dtype_bytes
 
@@ -62,9 +64,6 @@ DEEPSPEED_REDUCE_BUCKET_NUMEL = 500_000_000
 """DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """``DistributedDataParallel(bucket_cap_mb=25)``: PyTorch's default bucket size (MiB)."""
-DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20
-"""DDP broadcasts module buffers before every forward in coalesced buckets of 250 MiB
-(``DistributedDataParallel.broadcast_bucket_size``)."""
 
 
 def parse_strategy(text: str | int) -> Strategy:
@@ -184,46 +183,6 @@ def plan_for(config: ShardConfig) -> _Plan:
 
 
 # --- per-rank sizes ----------------------------------------------------------------------------------
-
-
-def shard_rows(numel: int, shape: tuple[int, ...], num_shards: int, rank: int, partition: str) -> tuple[int, int]:
-    """``(held, actual)`` elements of one array on ``rank``: what its storage holds (with padding) and
-    how many of those are real elements.
-
-    ``flat``: ``ceil(numel / N)`` each (DeepSpeed's padded partitions). ``dim0``: ``ceil(d0 / N)`` rows of
-    dim 0 (FSDP2's ``torch.chunk``), the last ranks holding fewer real rows, possibly none.
-
-    Example:
-        >>> [shard_rows(10 * 3, (10, 3), 4, r, "dim0") for r in range(4)]
-        [(9, 9), (9, 9), (9, 9), (9, 3)]
-        >>> shard_rows(7, (7,), 4, 3, "flat")
-        (2, 1)
-    """
-    if partition == "dim0" and shape:
-        d0 = shape[0]
-        rest = numel // d0 if d0 else 0
-        rows = -(-d0 // num_shards)
-        real = max(0, min(rows, d0 - rank * rows))
-        return rows * rest, real * rest
-    per = -(-numel // num_shards)
-    return per, max(0, min(per, numel - rank * per))
-
-
-def greedy_owners(sizes: Sequence[int], num_ranks: int) -> list[int]:
-    """``ZeroRedundancyOptimizer``'s partition: largest parameter first (stable), each to the rank
-    holding the fewest elements so far (lowest rank on ties). Returns the owner of each parameter.
-
-    Example:
-        >>> greedy_owners([5, 3, 3, 1], 2)
-        [0, 1, 1, 0]
-    """
-    owners = [0] * len(sizes)
-    load = [0] * num_ranks
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        rank = min(range(num_ranks), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += sizes[i]
-    return owners
 
 
 def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
@@ -510,8 +469,7 @@ class _Context:
         return dtype, dtype_bytes(dtype)
 
     def _buffers(self, srank: int) -> list[Entry]:
-        """Communication buffers that exist for the whole step (DDP buckets, DeepSpeed's reduce bucket)
-        and, for FSDP on a traced step, the per-unit reduce-scatter inputs."""
+        """Communication buffers that exist for the whole step (DDP buckets, DeepSpeed's reduce bucket)."""
         plan = self.plan
         trainable = [p for p in self.params if p.category == Category.WEIGHTS]
         if not trainable or (self.config.world_size == 1 and plan.buffers != "ddp"):
@@ -524,19 +482,7 @@ class _Context:
         if plan.buffers == "bucket":
             n = min(numel, self.config.reduce_bucket_numel)
             return self._state_only([_buffer("reduce bucket", "reduce_bucket", dtype, n, size)])
-        if not self.traced:
-            return []
-        out = []
-        for unit, ps in self.unit_params().items():
-            span = self.spans.get((unit, "backward"))
-            ps = [p for p in ps if p.category == Category.WEIGHTS]
-            if span is None or not ps:
-                continue
-            n = sum(shard_rows(p.numel, p.shape, plan.shard_size, srank, "dim0")[0] for p in ps) * plan.shard_size
-            out.append(
-                _buffer(f"reduce-scatter input {unit or '<root>'}", "reduce_scatter_input", dtype, n, size, span[1])
-            )
-        return out
+        return []  # FSDP's buffers live on its own clock (see _fsdp.py)
 
     def _state_only(self, buffers: list[Entry]) -> list[Entry]:
         """Buffers are part of a traced step; a single-instant ledger of model state names them instead."""
@@ -559,8 +505,8 @@ class _Context:
             )
             return []
         out: list[Entry] = []
-        forward = [u for u in _order(self.spans, "forward") if u in groups]
-        backward = [u for u in _order(self.spans, "backward") if u in groups]
+        forward = [u for u in order_of(self.spans, "forward") if u in groups]
+        backward = [u for u in order_of(self.spans, "backward") if u in groups]
         for unit, ps in groups.items():
             if plan.partition == "dim0":
                 full = {p.name: shard_rows(p.numel, p.shape, n, srank, "dim0")[0] * n for p in ps}
@@ -575,9 +521,6 @@ class _Context:
                     size = dtype_bytes(dtype)
                     label = unit or "<root>"
                     out.append(_gathered_entry(f"gathered params {label} ({phase})", dtype, numel, size, start, stop))
-                    if plan.buffers == "fsdp":  # the flat all-gather output, copied out then freed
-                        name = f"all-gather output {label} ({phase})"
-                        out.append(_buffer(name, "all_gather_output", dtype, numel, size, start))
         return out
 
     def _windows(self, unit: str, forward: list[str], backward: list[str]) -> list[tuple[str, tuple[int, int]]]:
@@ -601,84 +544,8 @@ class _Context:
             out.append(("backward", (start(backward, "backward", cfg.backward_prefetch), bwd[1] + 1)))
         return out
 
-    # --- collectives ---
-
     def collectives(self) -> list[Collective]:
-        plan, cfg = self.plan, self.config
-        n = plan.shard_size
-        trainable = [p for p in self.params if p.category == Category.WEIGHTS]
-        gdtype, gsize = self._grad_dtype_bytes()
-        if cfg.world_size == 1:
-            return []
-        if plan.buffers in ("ddp", "bucket"):
-            grad_numel = sum(p.numel for p in trainable)
-            if plan.partition == "flat" and plan.shard_optimizer:
-                grad_numel = -(-grad_numel // n) * n  # padded to equal partitions
-            bucket = cfg.ddp_bucket_bytes if plan.buffers == "ddp" else cfg.reduce_bucket_numel * gsize
-            calls = max(1, -(-grad_numel * gsize // bucket))
-            kind = "all_reduce" if not plan.shard_optimizer or plan.buffers == "ddp" else "reduce_scatter"
-            out = [Collective(kind, "backward", "gradients", grad_numel * gsize, n, calls)]
-            by_dtype: dict[str, int] = {}
-            for e in self.ledger.entries:
-                if e.category == Category.OTHER and e.role == "buffer":
-                    by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
-            if plan.buffers == "ddp" and by_dtype:  # broadcast_buffers: rank 0's buffers before every forward,
-                # coalesced per dtype into buckets
-                calls = sum(-(-b // DDP_BROADCAST_BUCKET_BYTES) for b in by_dtype.values())
-                label = "buffers from rank 0"
-                out.insert(0, Collective("broadcast", "forward", label, sum(by_dtype.values()), n, calls))
-            if plan.shard_optimizer and not plan.shard_params:
-                if plan.partition == "greedy":  # each owner broadcasts its updated parameters
-                    w = sum(p.nbytes for p in trainable)
-                    label = "parameters from their owners"
-                    out.append(Collective("broadcast", "optimizer", label, w, n, len(trainable)))
-                else:
-                    w = -(-sum(p.numel for p in trainable) // n) * n * dtype_bytes(trainable[0].dtype)
-                    out.append(Collective("all_gather", "optimizer", "updated parameters", w, n))
-            if plan.shard_params:  # DeepSpeed stage 3: gathers in forward and backward
-                w = sum(p.nbytes for p in self.params)
-                out.insert(0, Collective("all_gather", "forward", "parameters", w, n))
-                out.insert(1, Collective("all_gather", "backward", "parameters", w, n))
-            return out
-        out = []
-        groups = self.unit_params()
-        names = list(groups)
-        if self.traced:
-            fwd_order = [u for u in _order(self.spans, "forward") if u in groups]
-            names = fwd_order + [u for u in names if u not in fwd_order]
-
-        def gather(unit: str, phase: str) -> None:
-            w = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n * dtype_bytes(p.dtype) for p in groups[unit])
-            out.append(Collective("all_gather", phase, f"params of {unit or '<root>'}", w, n))
-
-        def reduce(unit: str) -> None:
-            tr = [p for p in groups[unit] if p.category == Category.WEIGHTS]
-            if not tr:
-                return
-            label = unit or "<root>"
-            g = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n for p in tr) * gsize
-            out.append(Collective("reduce_scatter", "backward", f"grads of {label}", g, n))
-            if plan.replicas > 1:
-                out.append(Collective("all_reduce", "backward", f"grad shards of {label}", g // n, plan.replicas))
-
-        for unit in names:
-            gather(unit, "forward")
-        # backward: the root's hooks run first (gather) and last (reduce); children in reverse order
-        backward = [u for u in names[::-1] if u] + [u for u in names if not u]
-        regather = [u for u in backward if not self.traced or (u, "backward") in self.spans]
-        if plan.regather_backward and "" in regather:
-            gather("", "backward")
-        for unit in backward:
-            if unit and plan.regather_backward and unit in regather:
-                gather(unit, "backward")
-            reduce(unit)
-        return out
-
-
-def _order(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[str]:
-    """Units in the order they start in ``phase`` (the root first: its hooks run before its children's)."""
-    units = [(span[0], unit != "", unit) for (unit, ph), span in spans.items() if ph == phase]
-    return [u for _, _, u in sorted(units)]
+        return step_collectives(self)
 
 
 def _resized(e: Entry, numel: int, role_suffix: str = "") -> Entry:

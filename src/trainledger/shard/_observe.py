@@ -1,0 +1,199 @@
+"""Watching a rank's step from the inside: the collectives it issues, and FSDP2's storages for the tracer.
+
+Both are torch-side helpers of :mod:`trainledger.shard.launch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainledger.shard.comm import Collective
+
+# --- counting collectives ------------------------------------------------------------------------------
+
+# c10d ops as the dispatcher sees them -> (kind, which argument holds the payload)
+_C10D_KINDS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "broadcast_": "broadcast",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts every ``c10d`` op dispatched while active: kind, payload bytes, calls and time.
+
+    DDP's reducer, ``ZeroRedundancyOptimizer`` and FSDP2 all reach their collectives through the
+    dispatcher's ``c10d`` ops (checked by the tests), so this sees what each engine actually moves.
+    Payload: all-reduce and broadcast the tensors' bytes; reduce-scatter its input; all-gather its
+    output.
+    """
+
+    def __init__(self, group_size: int) -> None:
+        super().__init__()
+        self.group_size = group_size
+        self.counts: dict[tuple[str, str], list[int]] = {}
+        self.phase = "step"
+        self.wait_seconds = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace != "c10d":
+            return func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        kind = _C10D_KINDS.get(name)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.wait_seconds += time.perf_counter() - start
+        if kind is not None:
+            payload = _payload(name, args)
+            c = self.counts.setdefault((kind, name), [0, 0])
+            c[0] += payload
+            c[1] += 1
+        return out
+
+    @contextlib.contextmanager
+    def waits(self) -> Iterator[None]:
+        """Also count time spent in ``Work.wait()`` (asynchronous collectives finish there)."""
+        from torch._C._distributed_c10d import Work
+
+        original = Work.wait
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                self.wait_seconds += time.perf_counter() - start
+
+        try:
+            Work.wait = wait  # type: ignore[method-assign]
+        except (TypeError, AttributeError):  # a build whose Work cannot be patched: dispatch time only
+            yield
+            return
+        try:
+            yield
+        finally:
+            Work.wait = original  # type: ignore[method-assign]
+
+    def collectives(self) -> list[Collective]:
+        return [
+            Collective(kind, "step", f"c10d.{name}", payload, self.group_size, calls)  # type: ignore[arg-type]
+            for (kind, name), (payload, calls) in sorted(self.counts.items())
+        ]
+
+
+def _payload(name: str, args: tuple[Any, ...]) -> int:
+    def nbytes(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(nbytes(y) for y in x)
+        return 0
+
+    if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
+        return nbytes(args[1])  # (output, input, ...)
+    if name == "reduce_scatter_":
+        return nbytes(args[1])  # (outputs, input_lists, ...)
+    if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_"):
+        return nbytes(args[0])  # output(s)
+    return nbytes(args[0])
+
+
+# --- FSDP2's storages, as the tracer needs to see them ------------------------------------------------
+
+
+@contextlib.contextmanager
+def fsdp_storage_view(model: nn.Module) -> Iterator[None]:
+    """Let the tracer see FSDP2's real storages while it traces a rank.
+
+    FSDP2 keeps each parameter (and so its gradient and optimizer state) as a ``DTensor``, a wrapper
+    whose ``untyped_storage()`` reports the *global* size; the bytes a rank holds are its local shard.
+    And it frees a unit's gathered parameters with ``untyped_storage().resize_(0)`` (and re-grows them
+    the same way), which no dispatched op shows. For the traced step this registers the local shards
+    in place of the wrappers, and tells the tracer when a gathered storage is grown (allocated) or
+    shrunk to nothing (freed). Plain modules are traced untouched.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from trainledger.inventory import storage_key
+    from trainledger.ledger import Category
+    from trainledger.trace import _tracer as _tracer_module
+
+    trace_api = importlib.import_module("trainledger.trace")  # the module (the package exports a function of that name)
+    from trainledger.trace._tracer import StepTracer
+
+    original_iter, original_alloc, original_free = (
+        trace_api.iter_state,
+        _fsdp_param.alloc_storage,
+        _fsdp_param.free_storage,
+    )
+
+    def local_state(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for t, owner in original_iter(*args, **kwargs):
+            yield (t._local_tensor if isinstance(t, DTensor) else t), owner
+
+    def tracer() -> StepTracer | None:
+        return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, StepTracer)), None)
+
+    def freed(tr: StepTracer, key: int) -> None:
+        rec = tr.storages.pop(key, None)
+        if rec is not None:
+            rec.free_event = len(tr.events)  # live through the last event that ran
+            tr._refs.pop(key, None)
+            tr.finished.append(rec)
+
+    def alloc_storage(t: torch.Tensor) -> None:
+        original_alloc(t)
+        tr = tracer()
+        if tr is not None:
+            key = storage_key(t)
+            freed(tr, key)  # a storage grown again is a new allocation
+            tr._track(
+                t,
+                key,
+                "gathered parameters",
+                Category.WEIGHTS,
+                "gathered",
+                alloc_event=len(tr.events),
+                owner=tr.scopes.current,
+            )
+
+    def free_storage(t: torch.Tensor) -> None:
+        tr = tracer()
+        if tr is not None:
+            freed(tr, storage_key(t))
+        original_free(t)
+
+    def has_storage(t: torch.Tensor) -> bool:  # wrappers hold no bytes of their own
+        return not isinstance(t, DTensor) and original_has_storage(t)
+
+    original_has_storage = _tracer_module._has_storage
+    trace_api.iter_state = local_state  # type: ignore[assignment]
+    _tracer_module._has_storage = has_storage
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+    try:
+        yield
+    finally:
+        trace_api.iter_state = original_iter  # type: ignore[assignment]
+        _tracer_module._has_storage = original_has_storage
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = original_alloc, original_free
