@@ -21,6 +21,7 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def main() -> None:
                 if name == "gpt2" and seq > 1024:
                     cfg = json.loads(config.read_text())
                     cfg["n_positions"] = seq  # GPT-2 has 1024 learned positions; raised to run longer sequences
-                    config = RESULTS / f"gpt2-n_positions-{seq}.json"
+                    config = Path(tempfile.mkdtemp()) / "config.json"
                     config.write_text(json.dumps(cfg))
                 traced = child(config, mb, seq, args.recipe, "trace")
                 plain = child(config, mb, seq, args.recipe, "plain")
