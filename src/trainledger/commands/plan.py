@@ -124,7 +124,7 @@ def regions_table(p: Plan, candidates: tuple[dict[str, Any], ...]) -> Table | Te
         return Text("nothing to recompute: the plain step already fits")
     rows = {(c["path"], c["policy"]): c for c in candidates}
     table = Table(title="recompute (non-reentrant torch.utils.checkpoint, RNG state preserved)", title_justify="left")
-    for col in ("module", "policy", "saved bytes", "recompute FLOPs", "recompute ms"):
+    for col in ("module", "policy", "saved bytes", "recompute transient", "recompute FLOPs", "recompute ms"):
         table.add_column(col, justify="left" if col in ("module", "policy") else "right")
     for r in p.regions:
         c = rows.get((r.path, r.policy), {})
@@ -133,6 +133,7 @@ def regions_table(p: Plan, candidates: tuple[dict[str, Any], ...]) -> Table | Te
             r.path,
             policy,
             f"{c.get('saved_bytes', 0):,}",
+            f"{c.get('recompute_transient_bytes', 0):,}",
             f"{c.get('recompute_flops', 0):,}",
             f"{c.get('recompute_seconds', 0.0) * 1e3:.3f}",
         )

@@ -717,9 +717,11 @@ def regions_of(cs: Candidates, choice: Sequence[int]) -> tuple[Region, ...]:
     return tuple(cs.candidates[j].region for j in sorted(choice, key=lambda j: cs.candidates[j].fwd[0]))
 
 
-def iter_candidate_rows(cs: Candidates) -> Iterator[dict[str, Any]]:
-    for c in cs.candidates:
-        yield {
+def iter_candidate_rows(cs: Candidates, model: LinearModel | None = None) -> Iterator[dict[str, Any]]:
+    """One row per candidate; with the linear ``model``, also its recomputation's transient: the most it
+    adds above the plain step at any instant (while its forward runs again)."""
+    for j, c in enumerate(cs.candidates):
+        row = {
             "path": c.region.path,
             "policy": c.region.policy,
             "saved_bytes": c.saved_bytes,
@@ -728,3 +730,6 @@ def iter_candidate_rows(cs: Candidates) -> Iterator[dict[str, Any]]:
             "forward_events": list(c.fwd),
             "early_stop_event": c.stop,
         }
+        if model is not None:
+            row["recompute_transient_bytes"] = int(max(0, model.delta[j].max(initial=0)))
+        yield row

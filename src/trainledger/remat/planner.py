@@ -293,5 +293,5 @@ def plan_and_verify(
 
         planner.restore()  # re-trace from the state the plain step was traced from
         verification = run_verify(workload, p)
-    rows = tuple(iter_candidate_rows(planner.candidates))
+    rows = tuple(iter_candidate_rows(planner.candidates, planner.model))
     return PlanResult(p, rows, planner.state_floor_bytes, verification)
