@@ -114,3 +114,20 @@ def test_data_dependent_routing_is_verified_from_the_same_weights(cli_json):
     v = d["verification"]
     assert v["within_budget"] and v["gradients_bitwise_equal"] and abs(v["relative_error"]) <= 0.01
     assert [r["path"] for r in d["regions"]] and all(r["path"].startswith("experts.") for r in d["regions"])
+
+
+def test_solver_names_on_the_command_line_match_the_solvers():
+    from trainledger.commands.plan import SOLVERS as ON_THE_COMMAND_LINE
+    from trainledger.remat.solvers import SOLVERS
+
+    assert ON_THE_COMMAND_LINE == SOLVERS
+
+
+def test_missing_scipy_is_one_line_with_the_install_hint(cli, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scipy" else real(name, *a))
+    code, out, err = cli("plan", "--model", "gpt-tiny", "--budget", "50%")
+    assert code == 2 and "pip install 'trainledger[solve]'" in err and "scipy" in err
+    assert len(err.strip().splitlines()) == 1

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
+from trainledger.commands.plan import require_solvers
 from trainledger.errors import InputError
-from trainledger.remat._pareto import PLOT_SUFFIXES, ParetoResult, Point, pareto, plot_pareto
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.workload import load_workload
+
+if TYPE_CHECKING:
+    from trainledger.remat._pareto import ParetoResult, Point
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def compute(args: argparse.Namespace) -> ParetoResult:
+    require_solvers()
+    from trainledger.remat._pareto import PLOT_SUFFIXES, pareto
+
     if not args.model:
         raise InputError("give --model NAME|file.py:factory (see --help)")
     if args.cost not in ("seconds", "flops"):
@@ -46,6 +52,8 @@ def compute(args: argparse.Namespace) -> ParetoResult:
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
+    from trainledger.remat._pareto import plot_pareto
+
     written = plot_pareto(result, args.plot) if args.plot else None
     if args.json:
         out = result.to_dict()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -11,12 +12,24 @@ from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, print_json
 from trainledger.errors import InputError
-from trainledger.remat._plan import Plan
-from trainledger.remat._verify import AGREEMENT
-from trainledger.remat.planner import PlanResult, parse_budget, plan_and_verify
-from trainledger.remat.solvers import SOLVERS
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
 from trainledger.workload import load_workload
+
+if TYPE_CHECKING:
+    from trainledger.remat import Plan, PlanResult
+
+# Kept here so `--help` and argument checks need neither numpy nor scipy (the planner does).
+SOLVERS = ("auto", "dp", "milp", "greedy", "sqrt-n", "uniform")
+
+
+def require_solvers() -> None:
+    """The planner's solvers need numpy and scipy (the ``solve`` extra): say how to install them."""
+    missing = [m for m in ("numpy", "scipy") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(
+            f"activation checkpointing plans need {' and '.join(missing)}, which is not installed; "
+            "install it with: pip install 'trainledger[solve]'"
+        )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def compute(args: argparse.Namespace) -> PlanResult:
+    require_solvers()
+    from trainledger.remat import parse_budget, plan_and_verify
+
     if not args.model:
         raise InputError("give --model NAME|file.py:factory (see --help)")
     if args.solver not in SOLVERS:
@@ -92,6 +108,8 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
     items.append(Text("\n".join(lines)))
     v = result.verification
     if v is not None:
+        from trainledger.remat._verify import AGREEMENT
+
         yes = {True: "yes", False: "NO"}
         device = p.predicted.device if p.predicted is not None else "cpu"
         items.append(
