@@ -463,9 +463,8 @@ def solve(
                 return solve_dp(model, budget_bytes)
             except ValueError:
                 pass
-            except NoPlan:  # a discretised frontier may lose plans; the MILP settles it
-                if len(model.base) and model.num_candidates <= 12:
-                    raise
+            except NoPlan:  # a discretised frontier may lose plans: the MILP settles it
+                pass
         return solve_milp(model, budget_bytes, time_limit_s=time_limit_s)
     if solver == "dp":
         return solve_dp(model, budget_bytes)
