@@ -164,3 +164,19 @@ def test_full_rematerialization_within_3_percent_of_trace(family):
     analytic = analytic_ledger(spec, setup)
     assert traced.category_maxima()["activations"] < plain.category_maxima()["activations"] / 2
     assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.03 * traced.peak().bytes
+
+
+@pytest.mark.slow
+def test_every_kth_layer_rematerialization_matches_transformers_every_n_layers():
+    from trainledger.trace import trace
+
+    path = FIXTURES / "llama-small.json"
+    kwargs = {"micro_batch": MB, "seq_len": 64, "recipe": "fp32", "attn_impl": "eager"}
+    traced = trace(workload_from_hf_config(path, remat="full", remat_every=2, **kwargs))
+    spec = arch_from_config(json.loads(path.read_text()))
+    setup = Setup(
+        micro_batch=MB, seq_len=64, recipe="fp32", attn_impl="eager", device="cpu", remat="full", remat_every=2
+    )
+    analytic = analytic_ledger(spec, setup)
+    assert analytic.category_maxima()["activations"] == traced.category_maxima()["activations"]
+    assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.03 * traced.peak().bytes

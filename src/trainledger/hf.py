@@ -316,6 +316,7 @@ def workload_from_hf_config(
     reference: bool = False,
     fake: bool = False,
     remat: Literal["none", "full"] = "none",
+    remat_every: int = 1,
     seed: int = 0,
 ) -> Workload:
     """One training step of a Hugging Face architecture, ready for :func:`trainledger.trace.trace`.
@@ -337,6 +338,7 @@ def workload_from_hf_config(
             ``trace(workload, fake=True)``.
         remat: ``full`` checkpoints every decoder layer (transformers' own gradient checkpointing,
             non-reentrant): each layer keeps its input and recomputes the rest in backward.
+        remat_every: with ``full``, checkpoint layers ``0, k, 2k…`` only.
 
     The batch is random token ids; with the plain causal-LM loss it is ``{"input_ids", "labels"}`` and
     the model's own (shifted, fp32-upcast) cross-entropy is the loss.
@@ -375,12 +377,16 @@ def workload_from_hf_config(
             apply_lora(model, lora_rank, targets)
     if remat not in ("none", "full"):
         raise InputError(f"unknown rematerialization {remat!r} for a traced model; accepted: none, full")
+    if remat_every < 1:
+        raise InputError(f"--remat-every {remat_every} must be at least 1")
     if remat == "full":
         kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.x: layers i with i % k == 0
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=remat_every)
+        elif remat_every == 1:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            raise InputError("--remat-every needs transformers with activation_checkpointing_enable (5.x)")
     if fake:
         _declare_unpacked(model)
     ref_model = None

@@ -482,9 +482,15 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
 
 
 def saved_bytes_per_layer(spec: ArchSpec, setup: Setup, layer: int = 0) -> int:
-    """Bytes one decoder layer saves for backward (before tensor/sequence parallel division)."""
+    """Bytes one decoder layer saves for backward under the setup's recomputation policy (before
+    tensor/sequence parallel division): ``full`` keeps the checkpointed layer's input only."""
     rows = setup.micro_batch * (2 if setup.reference else 1)
-    return sum(s.nbytes for s in layer_saved(spec, setup, rows, layer))
+    pieces = layer_saved(spec, setup, rows, layer)
+    if setup.remat == "full" and layer % setup.remat_every == 0:
+        return rows * setup.seq_len * spec.hidden_size * DTYPE_BYTES[setup.weight_dtype]
+    if setup.remat == "selective":
+        pieces = [s for s in pieces if not s.core]
+    return sum(s.nbytes for s in pieces)
 
 
 def step_flops(spec: ArchSpec, setup: Setup) -> tuple[float, float]:
