@@ -19,7 +19,6 @@ The model is built
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import os
@@ -420,7 +419,3 @@ def workload_from_hf_config(
             name=name,
         )
     return Workload(model, batch, optimizer=opt, name=name)
-
-
-def copy_model(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)

@@ -18,7 +18,6 @@ from trainledger.analytic._model import analytic_ledger, compact, step_flops
 from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import REMATS, Setup
 from trainledger.errors import InputError
-from trainledger.ledger import CATEGORY_ORDER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +98,8 @@ class FitResult:
     num_params: int
     fitting: tuple[Candidate, ...]
     overflowing: tuple[Candidate, ...]
+    config: dict[str, Any]
+    """The validated Hugging Face config the search ran on."""
 
     def to_dict(self) -> dict[str, Any]:
         """The best fitting configuration's ledger keys at the top, then every candidate."""
@@ -130,7 +131,7 @@ class FitResult:
 def _ledger_of(result: FitResult, setup: Setup, stage: str) -> Any:
     from trainledger.analytic._estimate import shard_ledger
 
-    spec = arch_from_config(result._raw)  # type: ignore[attr-defined]
+    spec = arch_from_config(result.config)
     led, _ = shard_ledger(analytic_ledger(spec, setup), result.options.world, stage)
     return led
 
@@ -226,11 +227,6 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
         num_params=num_params(spec),
         fitting=tuple(fitting),
         overflowing=tuple(overflowing),
+        config=raw,
     )
-    object.__setattr__(result, "_raw", raw)
     return result
-
-
-def category_order(name: str) -> int:
-    order = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
-    return order.get(name, 99)
