@@ -107,3 +107,19 @@ def test_zero_divides_state_by_the_world(stage):
     P = r.num_params
     assert persistent["optimizer"] == pytest.approx(12 * P / 8, rel=1e-3)  # master + two moments, divided
     assert persistent["weights"] == pytest.approx(2 * P / (8 if stage == 3 else 1), rel=1e-3)
+
+
+def test_the_analytic_model_imports_no_torch():
+    """Pure arithmetic on configs and ledgers: no torch or transformers import anywhere in the package."""
+    import ast
+
+    import trainledger.analytic as pkg
+
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] in ("torch", "transformers") for n in names), (path.name, names)
