@@ -118,7 +118,7 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
     plain: list[float] = []
     planned: list[float] = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the per-op costs: stable on a busy machine (see candidates.record_forward)
+    torch.set_num_threads(1)  # as the per-op costs: stable on a busy machine (see _record.record_forward)
     try:
         for i in range(repeats + 1):
             for times, applied in ((plain, False), (planned, True)):

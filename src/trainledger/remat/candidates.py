@@ -8,8 +8,8 @@ modules form the chain; inside a block, its large submodules (attention, MLP) an
 What non-reentrant checkpointing does, and what :func:`replay` therefore does to the plain step's ledger:
 
 - forward: the region's ops run as usual but autograd keeps none of the tensors they save; each is
-  freed when Python drops it (observed by :func:`record_forward`, which runs the forward with saving
-  switched off). The region's inputs are kept until its backward ends.
+  freed when Python drops it (observed by :func:`~trainledger.remat._record.record_forward`, which runs
+  the forward with saving switched off). The region's inputs are kept until its backward ends.
 - backward: just before the region's first backward op, its forward runs again, *only up to the op
   that produces the last tensor its backward needs* (early stop), so the recomputation's cost and
   transient memory are those of that prefix. Recomputed saved tensors are then freed at their last use,
@@ -23,209 +23,20 @@ region's backward, so a plan's predicted ledger has a real breakdown at its peak
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-import time
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from trainledger.inventory import storage_key
 from trainledger.ledger import Category, Entry, Event, Ledger
 from trainledger.remat._plan import SAVED_OP_NAMES, Policy, Region
+from trainledger.remat._record import ForwardRecord, StorageRecord
 from trainledger.remat.solvers import Chain, LinearModel
-from trainledger.trace._scopes import ModuleScopes
-from trainledger.workload import Workload, call_model, compute_loss
 
 CostKind = Literal["seconds", "flops"]
-
-
-# --- recording the forward ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StorageRecord:
-    """A storage allocated by a forward op, as seen with autograd's saving switched off."""
-
-    alloc_event: int
-    nbytes: int
-    unsaved_free_event: int
-    """First forward event at which it is gone when autograd keeps nothing (Python references only)."""
-    savers: frozenset[str]
-    """Module paths of the ops that save it for backward."""
-
-
-@dataclass(frozen=True)
-class ForwardRecord:
-    """The step's forward (model and loss), op by op, aligned with the trace's forward events."""
-
-    ops: tuple[str, ...]
-    modules: tuple[str, ...]
-    flops: tuple[int, ...]
-    """Per op, by ``torch.utils.flop_counter``'s formulas (0 for ops it has no formula for)."""
-    seconds: tuple[float, ...]
-    """Per op, median over repeated runs."""
-    inputs: tuple[tuple[int, ...], ...]
-    """Per op, the alloc events of the forward-allocated storages it reads."""
-    storages: tuple[StorageRecord, ...]
-    packs: tuple[tuple[int, str], ...] = ()
-    """Every tensor autograd saved: (the last op dispatched before the save, the module then running).
-    A region's recomputation stops inside its last save, so that op is the last one it runs."""
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, scopes: ModuleScopes, flop_registry: dict[Any, Any]) -> None:
-        super().__init__()
-        self.scopes = scopes
-        self.registry = flop_registry
-        self.ops: list[str] = []
-        self.modules: list[str] = []
-        self.flops: list[int] = []
-        self.seconds: list[float] = []
-        self.inputs: list[tuple[int, ...]] = []
-        self.alloc: dict[int, int] = {}  # storage key -> alloc event
-        self.nbytes: dict[int, int] = {}
-        self.freed: dict[int, int] = {}  # alloc event index of record -> free event
-        self.records: list[list[Any]] = []  # [alloc_event, nbytes, free_event, savers]
-        self.by_key: dict[int, int] = {}
-        self.packs: list[tuple[int, str]] = []
-        self.pending: list[tuple[int, str]] = []  # (last op, module) of packs since the last op
-        self._refs: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func.namespace == "prim":
-            return func(*args, **kwargs)
-        index = len(self.ops)
-        reads = []
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                rec = self.by_key.get(storage_key(t))
-                if rec is not None:
-                    reads.append(self.records[rec][0])
-        self.settle()
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        self.seconds.append(time.perf_counter() - start)
-        self.ops.append(str(func).removesuffix(".default"))
-        self.modules.append(self.scopes.current)
-        self.inputs.append(tuple(sorted(set(reads))))
-        fn = self.registry.get(func._overloadpacket)
-        self.flops.append(int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                key = storage_key(t)
-                if key not in self.by_key:
-                    st = t.untyped_storage()
-                    i = len(self.records)
-                    self.records.append([index, st.nbytes(), None, set()])
-                    self.by_key[key] = i
-                    self._refs.append(weakref.ref(st, self._freed(key, i)))
-        return out
-
-    def settle(self) -> None:
-        """Attribute the packs made since the last op. Autograd saves an op's inputs just before the op
-        runs and its outputs just after; either way, when a recomputation's last save happens, the op
-        dispatched last is the last one that ran (the early stop is raised inside the save)."""
-        for last, module in self.pending:
-            self.packs.append((last, module))
-        self.pending.clear()
-
-    def _freed(self, key: int, i: int) -> Any:
-        def cb(_ref: Any) -> None:
-            if self.records[i][2] is None:
-                self.records[i][2] = len(self.ops)
-            if self.by_key.get(key) == i:
-                del self.by_key[key]
-
-        return cb
-
-    def pack(self, t: torch.Tensor) -> None:
-        self.pending.append((len(self.ops) - 1, self.scopes.current))
-        if t.layout == torch.strided:
-            rec = self.by_key.get(storage_key(t))
-            if rec is not None:
-                self.records[rec][3].add(self.scopes.current)
-        return None  # keep nothing: tensors live only as long as Python holds them
-
-
-def record_forward(workload: Workload, *, repeats: int = 7) -> ForwardRecord:
-    """Run the step's forward (model and loss) ``repeats + 1`` times with autograd saving nothing.
-
-    The first run warms up; per-op times are medians of the others. Nothing is updated (no backward, no
-    optimizer step); BatchNorm running statistics are restored afterwards.
-    """
-    model = workload.model
-    buffers = {k: v.clone() for k, v in model.state_dict().items() if not isinstance(v, nn.Parameter)}
-    roots = [("", model)] + ([("reference", workload.reference)] if workload.reference is not None else [])
-    runs: list[_Recorder] = []
-    threads = torch.get_num_threads()
-    # One intra-op thread while timing: on a busy machine, waiting for a descheduled worker thread makes
-    # single ops 100x slower at random; one thread gives stable relative costs, which is what the
-    # solvers need (absolute times are those of one thread).
-    torch.set_num_threads(1)
-    try:
-        _record_runs(workload, roots, runs, repeats)
-    finally:
-        torch.set_num_threads(threads)
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if k in buffers:
-                v.copy_(buffers[k])
-    return _combine(runs)
-
-
-def _record_runs(workload: Workload, roots: list[tuple[str, nn.Module]], runs: list[_Recorder], repeats: int) -> None:
-    from torch.utils.flop_counter import flop_registry
-
-    model = workload.model
-    for _ in range(max(1, repeats) + 1):
-        scopes = ModuleScopes(roots)
-        rec = _Recorder(scopes, flop_registry)
-        scopes.open()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda _x: None), rec, _autocast(workload):
-                output = call_model(model, workload.batch)
-                loss = compute_loss(workload, output)
-                del output, loss
-        finally:
-            scopes.close()
-        rec.settle()
-        for r in rec.records:
-            if r[2] is None:
-                r[2] = len(rec.ops)
-        runs.append(rec)
-
-
-def _combine(runs: list[_Recorder]) -> ForwardRecord:
-    first = runs[-1]
-    timed = runs[1:] if len(runs) > 1 else runs
-    seconds = tuple(statistics.median(r.seconds[i] for r in timed) for i in range(len(first.ops)))
-    storages = tuple(StorageRecord(r[0], r[1], r[2], frozenset(r[3])) for r in first.records)
-    return ForwardRecord(
-        tuple(first.ops),
-        tuple(first.modules),
-        tuple(first.flops),
-        seconds,
-        tuple(first.inputs),
-        storages,
-        tuple(first.packs),
-    )
-
-
-def _autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
-    if workload.autocast_dtype is None:
-        return contextlib.nullcontext()
-    device = next(workload.model.parameters()).device.type
-    return torch.autocast(device_type=device, dtype=workload.autocast_dtype)
 
 
 # --- candidates -----------------------------------------------------------------------------------------

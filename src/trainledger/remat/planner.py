@@ -14,13 +14,12 @@ from typing import Any
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.remat._plan import Plan, structure_fingerprint
+from trainledger.remat._record import ForwardRecord, record_forward
 from trainledger.remat.candidates import (
     Candidates,
     CostKind,
-    ForwardRecord,
     find_candidates,
     linear_model,
-    record_forward,
     regions_of,
     replay,
 )
