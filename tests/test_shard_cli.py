@@ -58,6 +58,7 @@ def test_traced_model_prediction(cli_json):
         (["shard", "--model", "mlp", "--run", "--stage", "all"], "not 'all'"),
         (["shard", "--model", "mlp", "--run", "--stage", "full_shard"], "--run supports stages 0, 1, 2, 3"),
         (["shard", "--model", "nope", "--run"], "unknown model 'nope'"),
+        (["shard", "--model", "mlp", "--run", "--timeout", "0"], "timeout 0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(cli, argv, fragment):

@@ -82,8 +82,8 @@ def test_a_rank_that_hangs_is_stopped_within_the_timeout(tmp_path):
     f.write_text(FACTORIES)
     before = _children()
     with pytest.raises(RankError, match=r"rank 1 in building the workload") as info:
-        run(RunConfig(model=f"{f}:hangs_on_rank_1", world_size=2, strategy="zero0", timeout_seconds=8))
-    assert "did not finish within 8 s" in str(info.value)
+        run(RunConfig(model=f"{f}:hangs_on_rank_1", world_size=2, strategy="zero0", timeout_seconds=15))
+    assert "did not finish within 15 s" in str(info.value)
     assert _children() <= before
     assert isinstance(info.value, InputError)  # the CLI prints it as one line, exit status 2
 

@@ -57,6 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--run", dest="run_ranks", action="store_true", help="run the ranks on torch.distributed and trace each"
     )
     p.add_argument("--timeout", type=float, default=300.0, help="--run: seconds before every rank is stopped")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="--run: gloo on CPU (default) or nccl, one GPU a rank",
+    )
     spec = p.add_argument_group("a declared format instead of a model (as `trainledger state`)")
     _reuse_state_flags(spec)
     add_json_flag(p)
@@ -259,7 +265,10 @@ def _run_for_real(args: argparse.Namespace) -> int:
     strategy = parse_strategy(args.stage) if args.stage != "all" else None
     if strategy is None:
         raise InputError("--run takes one --stage (0, 1, 2 or 3), not 'all'")
-    result = run(RunConfig(model=args.model, world_size=args.world, strategy=strategy, timeout_seconds=args.timeout))
+    config = RunConfig(
+        model=args.model, world_size=args.world, strategy=strategy, backend=args.backend, timeout_seconds=args.timeout
+    )
+    result = run(config)
     d = result.to_dict()
     if args.json:
         print_json(d)

@@ -379,21 +379,27 @@ def _rank_main(rank: int, world_size: int, port: int, tmp: str) -> None:
         if cfg["backend"] == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
-        try:
-            report = rank_step(cfg, stage=stage)
-            stage("sending the ledger to rank 0")
-            texts = _gather_text(json.dumps(report), rank, world_size, cfg["backend"])
-            if rank == 0:
-                (out / "ranks.json.part").write_text("[" + ",".join(texts) + "]")
-                (out / "ranks.json.part").rename(out / "ranks.json")
-        finally:
-            dist.destroy_process_group()
+        report = rank_step(cfg, stage=stage)
+        stage("sending the ledger to rank 0")
+        texts = _gather_text(json.dumps(report), rank, world_size, cfg["backend"])
+        if rank == 0:
+            (out / "ranks.json.part").write_text("[" + ",".join(texts) + "]")
+            (out / "ranks.json.part").rename(out / "ranks.json")
+        stage("leaving the process group")
+        dist.destroy_process_group()
     except BaseException as exc:
         message = " ".join(str(exc).split())[:400]
+        (out / f"rank{rank}.traceback").write_text(traceback.format_exc())
         (out / f"rank{rank}.error.part").write_text(f"{type(exc).__name__}: {message}")
         (out / f"rank{rank}.error.part").rename(out / f"rank{rank}.error")
-        (out / f"rank{rank}.traceback").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
+        code = 1
+    else:
+        code = 0
+    # Leave at once: the parent stops the other ranks, and skipping interpreter teardown avoids the
+    # communication threads of a group that was not (or could not be) shut down aborting the process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str, Any]:
@@ -407,8 +413,10 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     rank = dist.get_rank()
     stage("building the workload")
     workload = load_workload(cfg["model"])
-    if cfg["backend"] == "nccl":
-        workload.model.to(f"cuda:{torch.cuda.current_device()}")
+    if cfg["backend"] == "nccl":  # rank r on GPU r: the model and its batch
+        device = torch.device("cuda", torch.cuda.current_device())
+        workload.model.to(device)
+        workload.batch = _to_device(workload.batch, device)
     stage("wrapping it for sharding")
     _wrap(workload, cfg["strategy"])
     stage("the warm-up steps")
@@ -434,6 +442,16 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
         "collectives": [_collective_dict(c) for c in counter.collectives()],
         "ledger": ledger.to_dict() if ledger is not None else None,
     }
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
 
 
 def _collective_dict(c: Collective) -> dict[str, Any]:
