@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from trainledger.errors import InputError
-from trainledger.shard._observe import CollectiveCounter
 from trainledger.shard.launch import RankError, RunConfig, run
 
 pytestmark = pytest.mark.slow
@@ -86,21 +85,3 @@ def test_a_rank_that_hangs_is_stopped_within_the_timeout(tmp_path):
     assert "did not finish within 15 s" in str(info.value)
     assert _children() <= before
     assert isinstance(info.value, InputError)  # the CLI prints it as one line, exit status 2
-
-
-def test_counter_sees_the_collectives_ddp_fsdp_and_zero_call():
-    """Which layer sees them: the dispatcher's c10d ops (a single-rank group is enough to show it)."""
-    import torch
-    import torch.distributed as dist
-
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
-        counter = CollectiveCounter(1)
-        with counter:
-            model(torch.randn(2, 4)).sum().backward()
-        seen = {c.kind: c.payload_bytes for c in counter.collectives()}
-        assert seen == {"all_reduce": (4 * 3 + 3) * 4}  # one bucket holding every gradient
-    finally:
-        dist.destroy_process_group()

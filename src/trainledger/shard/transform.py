@@ -315,6 +315,10 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
     params = [e for e in ledger.entries if e.category == Category.WEIGHTS or _shardable_frozen(e)]
     names = [e.name for e in params]
     units = config.units if config.units is not None else infer_units(names)
+    if config.world_size == 1:  # one rank: nothing divided, nothing sent
+        note = "world size 1: no data parallelism, the rank holds the step as traced (wrapper buffers not modelled)"
+        single = ledger.with_entries(ledger.entries, notes=(*ledger.notes, note), meta={**ledger.meta, "rank": 0})
+        return ShardResult(config, plan.label, ledger, (single,), (), tuple(units), (note,))
     ctx = _Context(ledger, config, plan, units)
     ranks = tuple(ctx.rank_ledger(r) for r in range(config.world_size))
     collectives = tuple(ctx.collectives())

@@ -1,0 +1,59 @@
+"""The torch-side helpers of the launcher, in one process: which units FSDP reduces late, and which
+layer sees the collectives an engine issues."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainledger.examples import gpt_tiny, mlp, moe
+from trainledger.shard import shard
+from trainledger.shard._observe import CollectiveCounter
+from trainledger.shard.launch import _units_of, late_units
+
+
+def test_late_units_are_those_fed_without_grad():
+    w = mlp()  # the first layer takes the batch; the others take activations
+    assert late_units(w, _units_of(w.model)) == ("inner.0",)
+    w = gpt_tiny()  # blocks take the embeddings' output
+    assert late_units(w, _units_of(w.model)) == ()
+    w = moe()  # each expert takes x[rows], an index into the batch
+    assert late_units(w, _units_of(w.model)) == ("experts.0", "experts.1", "experts.2", "experts.3")
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_counter_sees_what_ddp_issues(one_rank_group):
+    """DDP's reducer reaches its all-reduce through the dispatcher's c10d ops, so a dispatch mode sees it."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    counter = CollectiveCounter(1)
+    with counter:
+        model(torch.randn(2, 4)).sum().backward()
+    seen = {c.kind: (c.payload_bytes, c.num_calls) for c in counter.collectives()}
+    assert seen == {"all_reduce": ((4 * 3 + 3) * 4, 1)}  # one bucket holding every gradient
+
+
+def test_counter_payload_conventions(one_rank_group):
+    """All-gather counts its output, reduce-scatter its input, broadcast its tensor."""
+    counter = CollectiveCounter(1)
+    with counter:
+        out = torch.empty(6)
+        dist.all_gather_single(out, torch.ones(6))
+        dist.reduce_scatter_single(torch.empty(5), torch.ones(5))
+        dist.broadcast(torch.ones(3, dtype=torch.float64), src=0)
+    seen = {c.kind: c.payload_bytes for c in counter.collectives()}
+    assert seen == {"all_gather": 24, "reduce_scatter": 20, "broadcast": 24}
+
+
+def test_world_one_keeps_the_ledger():
+    from trainledger.declared import StateSpec, declared_ledger
+
+    led = declared_ledger(StateSpec(num_params=1000))
+    res = shard(led, world_size=1, strategy="full_shard")
+    assert res.ranks[0].entries == led.entries and res.collectives == ()
