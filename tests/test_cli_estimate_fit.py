@@ -117,6 +117,8 @@ def test_fit_on_a_tiny_device_says_nothing_fits(cli):
         (["estimate", "--hf-config", LLAMA7B, "--tensor-parallel", "3"], "does not divide the 32 key/value heads"),
         (["estimate", "--hf-config", LLAMA7B, "--pipeline-parallel", "64"], "exceeds the model's 32 layers"),
         (["estimate", "--hf-config", LLAMA7B, "--device-kind", "tpu"], "unknown device kind 'tpu'"),
+        (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "8", "--lora-targets", "query"], "it has: down_proj"),
+        (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "-2"], "--lora-rank -2"),
         (["estimate", "--hf-config", str(FIXTURES / "gpt2.json"), "--seq-len", "2048"], "1024 learned positions"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "lots"], "--device-memory"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "80GiB", "--micro-batches", "a,b"], "--micro-batches"),

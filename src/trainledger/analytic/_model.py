@@ -453,6 +453,16 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
         raise InputError(
             f"--tensor-parallel {setup.tensor_parallel} does not divide the {spec.num_kv_heads} key/value heads"
         )
+    if setup.lora_rank:
+        targets = lora_targets(setup, spec)
+        linears = sorted({p.lora_target for p in param_tensors(spec) if p.lora_target})
+        if not set(targets) & set(linears):
+            from trainledger.errors import InputError
+
+            raise InputError(
+                f"--lora-targets {','.join(targets)} match no linear layer of this {spec.family} model; "
+                f"it has: {', '.join(linears)}"
+            )
     stages = [setup.pipeline_stage] if setup.pipeline_stage is not None else list(range(setup.pipeline_parallel))
     best: Ledger | None = None
     for s in stages:
