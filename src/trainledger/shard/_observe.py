@@ -6,7 +6,6 @@ Both are torch-side helpers of :mod:`trainledger.shard.launch`.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -123,9 +122,9 @@ def fsdp_storage_view(model: nn.Module) -> Iterator[None]:
     FSDP2 keeps each parameter (and so its gradient and optimizer state) as a ``DTensor``, a wrapper
     whose ``untyped_storage()`` reports the *global* size; the bytes a rank holds are its local shard.
     And it frees a unit's gathered parameters with ``untyped_storage().resize_(0)`` (and re-grows them
-    the same way), which no dispatched op shows. For the traced step this registers the local shards
-    in place of the wrappers, and tells the tracer when a gathered storage is grown (allocated) or
-    shrunk to nothing (freed). Plain modules are traced untouched.
+    the same way), which no dispatched op shows. The tracer itself declares DTensors by their local
+    shards; for the traced step this wraps FSDP2's own storage hooks to tell the tracer when a gathered
+    storage is grown (allocated) or shrunk to nothing (freed). Plain modules are traced untouched.
     """
     from torch.distributed.tensor import DTensor
 
@@ -133,67 +132,26 @@ def fsdp_storage_view(model: nn.Module) -> Iterator[None]:
         yield
         return
     from torch.distributed.fsdp._fully_shard import _fsdp_param
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from trainledger.inventory import storage_key
     from trainledger.ledger import Category
-    from trainledger.trace import _tracer as _tracer_module
+    from trainledger.trace._tracer import active_tracer
 
-    trace_api = importlib.import_module("trainledger.trace")  # the module (the package exports a function of that name)
-    from trainledger.trace._tracer import StepTracer
-
-    original_iter, original_alloc, original_free = (
-        trace_api.iter_state,
-        _fsdp_param.alloc_storage,
-        _fsdp_param.free_storage,
-    )
-
-    def local_state(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        for t, owner in original_iter(*args, **kwargs):
-            yield (t._local_tensor if isinstance(t, DTensor) else t), owner
-
-    def tracer() -> StepTracer | None:
-        return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, StepTracer)), None)
-
-    def freed(tr: StepTracer, key: int) -> None:
-        rec = tr.storages.pop(key, None)
-        if rec is not None:
-            rec.free_event = len(tr.events)  # live through the last event that ran
-            tr._refs.pop(key, None)
-            tr.finished.append(rec)
+    original_alloc, original_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
 
     def alloc_storage(t: torch.Tensor) -> None:
         original_alloc(t)
-        tr = tracer()
-        if tr is not None:
-            key = storage_key(t)
-            freed(tr, key)  # a storage grown again is a new allocation
-            tr._track(
-                t,
-                key,
-                "gathered parameters",
-                Category.WEIGHTS,
-                "gathered",
-                alloc_event=len(tr.events),
-                owner=tr.scopes.current,
-            )
+        tracer = active_tracer()
+        if tracer is not None:
+            tracer.allocated_outside_dispatch(t, "gathered parameters", Category.WEIGHTS, "gathered")
 
     def free_storage(t: torch.Tensor) -> None:
-        tr = tracer()
-        if tr is not None:
-            freed(tr, storage_key(t))
+        tracer = active_tracer()
+        if tracer is not None:
+            tracer.freed_outside_dispatch(t)
         original_free(t)
 
-    def has_storage(t: torch.Tensor) -> bool:  # wrappers hold no bytes of their own
-        return not isinstance(t, DTensor) and original_has_storage(t)
-
-    original_has_storage = _tracer_module._has_storage
-    trace_api.iter_state = local_state  # type: ignore[assignment]
-    _tracer_module._has_storage = has_storage
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
     try:
         yield
     finally:
-        trace_api.iter_state = original_iter  # type: ignore[assignment]
-        _tracer_module._has_storage = original_has_storage
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = original_alloc, original_free

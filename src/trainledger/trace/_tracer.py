@@ -15,6 +15,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,7 +83,12 @@ class StepTracer(TorchDispatchMode):
     # --- pre-existing state ------------------------------------------------------------------------
 
     def known(self, t: torch.Tensor, name: str, category: Category, role: str) -> None:
-        """Declare a tensor that exists before the step (weights, optimizer state, the batch…)."""
+        """Declare a tensor that exists before the step (weights, optimizer state, the batch…).
+
+        A ``DTensor`` (FSDP2's sharded parameters and their state) is declared by its local shard: the
+        wrapper reports the global size, the rank holds the shard.
+        """
+        t = local_tensor(t)
         key = storage_key(t)
         rec = self.storages.get(key)
         if rec is not None:
@@ -132,6 +138,26 @@ class StepTracer(TorchDispatchMode):
             self.finished.append(rec)
 
         return freed
+
+    # --- storages that change size outside dispatch ------------------------------------------------------
+
+    def allocated_outside_dispatch(self, t: torch.Tensor, name: str, category: Category, role: str) -> None:
+        """A storage grown by ``untyped_storage().resize_()`` (no op shows it): a new allocation now.
+
+        FSDP2 frees and re-grows a unit's gathered parameters this way; its hooks report them here.
+        """
+        key = storage_key(t)
+        self.freed_outside_dispatch(t)  # the same storage grown again is a new allocation
+        self._track(t, key, name, category, role, alloc_event=len(self.events), owner=self.scopes.current)
+
+    def freed_outside_dispatch(self, t: torch.Tensor) -> None:
+        """A storage shrunk to nothing by ``untyped_storage().resize_(0)``: freed after the last event."""
+        key = storage_key(t)
+        rec = self.storages.pop(key, None)
+        if rec is not None:
+            rec.free_event = len(self.events)
+            self._refs.pop(key, None)
+            self.finished.append(rec)
 
     # --- the dispatch hook -------------------------------------------------------------------------
 
@@ -195,7 +221,7 @@ class StepTracer(TorchDispatchMode):
 
     def mark(self, t: torch.Tensor, category: Category, role: str, name: str) -> None:
         """Name a storage allocated during the step that turned out to be a gradient or optimizer state."""
-        rec = self.storages.get(storage_key(t))
+        rec = self.storages.get(storage_key(local_tensor(t)))
         if rec is not None and rec.category is None:
             rec.category, rec.role, rec.name = category, role, name
 
@@ -319,5 +345,32 @@ def _op_name(func: Any) -> str:
 
 
 def _has_storage(t: torch.Tensor) -> bool:
-    # Sparse and nested tensors have no single storage; subclasses other than fake are left alone.
-    return t.layout == torch.strided
+    # Sparse and nested tensors have no single storage; a DTensor wrapper holds no bytes of its own (its
+    # local shard does, and the shard's own ops are dispatched separately).
+    return t.layout == torch.strided and not _is_dtensor(t)
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds this rank's bytes: a DTensor's local shard, else ``t`` itself."""
+    return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def active_tracer() -> StepTracer | None:
+    """The step tracer currently on the dispatch mode stack, if any (for hooks of distributed engines)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, StepTracer)), None)
