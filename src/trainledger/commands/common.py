@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from rich.console import Console
+
 from trainledger.errors import InputError
+from trainledger.report.terminal import make_console
 from trainledger.units import parse_count, parse_size
 
 
@@ -66,3 +70,12 @@ def positive_int(flag: str):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise InputError(message)
+
+
+def emit(result: Any, render: Callable[[Any, Console], None], *, as_json: bool) -> int:
+    """Print a command's result: ``result.to_dict()`` as one JSON object, or ``render`` on the console."""
+    if as_json:
+        print_json(result.to_dict())
+    else:
+        render(result, make_console())
+    return 0

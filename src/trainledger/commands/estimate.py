@@ -9,12 +9,11 @@ from rich.text import Text
 
 from trainledger.analytic import REMATS, Setup
 from trainledger.analytic._estimate import EstimateResult, estimate
-from trainledger.commands.common import add_json_flag, positive_int, print_json
+from trainledger.commands.common import add_json_flag, emit, positive_int
 from trainledger.report.terminal import (
     UNITS_NOTE,
     both_units,
     category_table,
-    make_console,
     notes_text,
     peak_text,
     print_renderables,
@@ -90,11 +89,7 @@ def compute(args: argparse.Namespace) -> EstimateResult:
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    if args.json:
-        print_json(result.to_dict())
-        return 0
-    render(result, make_console())
-    return 0
+    return emit(result, render, as_json=args.json)
 
 
 def render(result: EstimateResult, console: Console) -> None:

@@ -10,10 +10,10 @@ from rich.text import Text
 
 from trainledger.analytic import Setup
 from trainledger.analytic._fit import FitOptions, FitResult, fit
-from trainledger.commands.common import add_json_flag, positive_int, print_json, size_arg
+from trainledger.commands.common import add_json_flag, emit, positive_int, size_arg
 from trainledger.commands.estimate import add_setup_flags, setup_from
 from trainledger.errors import InputError
-from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
+from trainledger.report.terminal import UNITS_NOTE, both_units, notes_text, print_renderables
 from trainledger.units import format_bytes
 
 
@@ -61,11 +61,7 @@ def compute(args: argparse.Namespace) -> FitResult:
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    if args.json:
-        print_json(result.to_dict())
-        return 0
-    render(result, make_console(), top=args.top)
-    return 0
+    return emit(result, lambda r, console: render(r, console, top=args.top), as_json=args.json)
 
 
 def _gib(n: int) -> str:

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainledger.commands import state as state_cmd
-from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
+from trainledger.commands.common import add_json_flag, add_model_flag, emit, positive_int, print_json
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
     UNITS_NOTE,
@@ -24,10 +24,8 @@ from trainledger.report.terminal import (
 )
 from trainledger.shard.comm import CommTime, estimate_time
 from trainledger.shard.transform import ENGINES, ShardConfig, ShardResult, parse_strategy, shard
+from trainledger.state import spec_state
 from trainledger.units import format_bytes
-
-# the declared-format flags of `trainledger state`, reused as they are defined there
-_SPEC_FLAGS = ("params", "weights", "grads", "optimizer", "moments", "master", "frozen_params")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,20 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="gloo",
         help="--run: gloo on CPU (default) or nccl, one GPU a rank",
     )
-    spec = p.add_argument_group("a declared format instead of a model (as `trainledger state`)")
-    _reuse_state_flags(spec)
+    state_cmd.add_spec_flags(p.add_argument_group("a declared format instead of a model (as `trainledger state`)"))
     add_json_flag(p)
     p.set_defaults(run=run)
-
-
-def _reuse_state_flags(group: argparse._ArgumentGroup) -> None:
-    """Take the format flags from the ``state`` command's own parser, so both stay the same."""
-    holder = argparse.ArgumentParser(add_help=False)
-    state_cmd.add_parser(holder.add_subparsers())
-    state_parser = holder._subparsers._group_actions[0].choices["state"]  # type: ignore[union-attr]
-    for action in state_parser._actions:
-        if action.dest in _SPEC_FLAGS:
-            group._add_action(action)
 
 
 @dataclass(frozen=True)
@@ -128,8 +115,7 @@ def compute(args: argparse.Namespace) -> ShardReport:
         units = _units_of(workload.model)
         fsdp_facts = {"units": units, "late_units": late_units(workload, units)}
     elif args.params:
-        ns = argparse.Namespace(**{**vars(args), "model": None, "no_step": False})
-        result = state_cmd.compute(ns)
+        result = spec_state(state_cmd.spec_from_args(args))
         ledger, source, engine = result.ledger, result.source, args.engine or "deepspeed"
     else:
         raise InputError("give --model NAME|file.py:factory, or --params N with the formats (see --help)")
@@ -169,12 +155,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--link-gbps {args.link_gbps} must be a positive bandwidth in gigabits per second")
     if args.run_ranks:
         return _run_for_real(args)
-    report = compute(args)
-    if args.json:
-        print_json(report.to_dict())
-        return 0
-    render(report, make_console())
-    return 0
+    return emit(compute(args), render, as_json=args.json)
 
 
 def render(report: ShardReport, console: Console) -> None:

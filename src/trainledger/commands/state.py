@@ -7,14 +7,13 @@ import argparse
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, count_arg, print_json
+from trainledger.commands.common import add_json_flag, add_model_flag, count_arg, emit
 from trainledger.declared import OPTIMIZER_ARRAYS, StateSpec
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
     UNITS_NOTE,
     both_units,
     category_table,
-    make_console,
     notes_text,
     payload_text,
     peak_text,
@@ -33,16 +32,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_flag(p)
     p.add_argument("--no-step", action="store_true", help="inventory the model as built, without one step")
-    spec = p.add_argument_group("a declared format instead of a model")
-    spec.add_argument("--params", type=count_arg("--params"), help="trainable parameters: 1e9, 7B, 125M")
-    spec.add_argument("--weights", default="bf16", help="weight precision (default bf16)")
-    spec.add_argument("--grads", default=None, help="gradient precision (default: as weights; 'none' to omit)")
-    spec.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_ARRAYS)} (default adamw)")
-    spec.add_argument("--moments", default="fp32", help="optimizer state precision (default fp32)")
-    spec.add_argument("--master", default=None, help="precision of a master copy of the weights (e.g. fp32)")
-    spec.add_argument("--frozen-params", type=count_arg("--frozen-params"), default=0, help="frozen weights")
+    add_spec_flags(p.add_argument_group("a declared format instead of a model"))
     add_json_flag(p)
     p.set_defaults(run=run)
+
+
+def add_spec_flags(group: argparse._ActionsContainer) -> None:
+    """The flags of a declared format (``--params`` and each array's precision); ``shard`` uses them too."""
+    group.add_argument("--params", type=count_arg("--params"), help="trainable parameters: 1e9, 7B, 125M")
+    group.add_argument("--weights", default="bf16", help="weight precision (default bf16)")
+    group.add_argument("--grads", default=None, help="gradient precision (default: as weights; 'none' to omit)")
+    group.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_ARRAYS)} (default adamw)")
+    group.add_argument("--moments", default="fp32", help="optimizer state precision (default fp32)")
+    group.add_argument("--master", default=None, help="precision of a master copy of the weights (e.g. fp32)")
+    group.add_argument("--frozen-params", type=count_arg("--frozen-params"), default=0, help="frozen weights")
+
+
+def spec_from_args(args: argparse.Namespace) -> StateSpec:
+    """The :class:`StateSpec` the flags of :func:`add_spec_flags` describe."""
+    grads = args.grads if args.grads in (None, "none") else parse_dtype(args.grads)
+    return StateSpec(
+        num_params=args.params,
+        weights=args.weights,
+        grads=grads,
+        optimizer=args.optimizer,
+        moments=args.moments,
+        master=args.master,
+        frozen_params=args.frozen_params,
+    )
 
 
 def compute(args: argparse.Namespace) -> StateResult:
@@ -52,26 +69,12 @@ def compute(args: argparse.Namespace) -> StateResult:
         return workload_state(load_workload(args.model), take_step=not args.no_step)
     if not args.params:
         raise InputError("give --model NAME|file.py:factory, or --params N with the formats (see --help)")
-    grads = args.grads if args.grads in (None, "none") else parse_dtype(args.grads)
-    spec = StateSpec(
-        num_params=args.params,
-        weights=args.weights,
-        grads=grads,
-        optimizer=args.optimizer,
-        moments=args.moments,
-        master=args.master,
-        frozen_params=args.frozen_params,
-    )
-    return spec_state(spec)
+    return spec_state(spec_from_args(args))
 
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    if args.json:
-        print_json(result.to_dict())
-        return 0
-    render(result, make_console())
-    return 0
+    return emit(result, render, as_json=args.json)
 
 
 def render(result: StateResult, console: Console) -> None:
