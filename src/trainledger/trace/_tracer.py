@@ -327,21 +327,28 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
     A direct walk: this runs for every op, and a general pytree flatten costs several times more.
     """
     found: list[torch.Tensor] = []
-    stack = list(objs)
-    while stack:
-        x = stack.pop()
+    for x in objs:
         if isinstance(x, torch.Tensor):
             found.append(x)
         elif isinstance(x, (list, tuple)):
-            stack.extend(x)
+            for y in x:
+                if isinstance(y, torch.Tensor):
+                    found.append(y)
+                elif isinstance(y, (list, tuple, dict)):
+                    found.extend(_tensors(y))
         elif isinstance(x, dict):
-            stack.extend(x.values())
+            found.extend(_tensors(*x.values()))
     return found
 
 
+_OP_NAMES: dict[Any, str] = {}
+
+
 def _op_name(func: Any) -> str:
-    name = str(func)
-    return name.removesuffix(".default")
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func).removesuffix(".default")
+    return name
 
 
 def _has_storage(t: torch.Tensor) -> bool:
