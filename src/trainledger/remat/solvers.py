@@ -461,7 +461,7 @@ def solve(
             try:
                 chain_savings(model)
                 return solve_dp(model, budget_bytes)
-            except ValueError:
+            except ValueError:  # not a chain of blocks: only the MILP handles a general graph
                 pass
             except NoPlan:  # a discretised frontier may lose plans: the MILP settles it
                 pass
