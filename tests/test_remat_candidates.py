@@ -150,8 +150,8 @@ def test_unet_with_skip_connections_plan_verified():
     """A U-Net is not a transformer chain: encoder outputs are kept for the decoder. The plan still
     replays exactly enough to land within 1% of the re-traced peak, with bitwise-equal gradients
     (Dropout2d and BatchNorm inside the recomputed regions)."""
+    from trainledger.examples import unet_small
     from trainledger.remat import verify
-    from trainledger.remat._unet import unet_small
 
     w = unet_small(batch_size=2)
     p = Planner.build(w)

@@ -25,7 +25,7 @@ def add_model_flag(p: argparse.ArgumentParser, *, required: bool = False) -> Non
         metavar="NAME|FILE.py:FACTORY",
         required=required,
         help="a built-in example (seed-423, gpt-tiny, mlp, cnn, lstm, moe, dpo, lora, autocast-bf16, "
-        "bf16-master) or your file.py:factory returning a trainledger.Workload",
+        "bf16-master, unet-small) or your file.py:factory returning a trainledger.Workload",
     )
 
 
