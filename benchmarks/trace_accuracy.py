@@ -1,4 +1,4 @@
-"""Traced peak vs an independent oracle on eight diverse models; measured mode's view of the difference.
+"""Traced peak vs an independent oracle on eleven diverse models; measured mode's view of the difference.
 
 The oracle: ``torch.profiler.profile(profile_memory=True)`` started before the model is built, in a fresh
 process, and the running sum of its allocation events inside the measured step's window
@@ -35,6 +35,7 @@ MODELS = {
     "autocast-bf16": "MLP under bf16 autocast",
     "bf16-master": "bf16 weights, fp32 master copies",
     "seed-423": "the seed's 423 float64 parameters, Adam",
+    "unet-small": "U-Net: skip connections, BatchNorm, channel dropout",
 }
 
 RESULTS = Path(__file__).parent / "results"
