@@ -73,6 +73,8 @@ def _cost(p: Point | None, seconds: bool) -> str:
 
 
 def render(result: ParetoResult, console: Console) -> None:
+    from trainledger.remat._sac import sac_cell
+
     pl = result.planner
     seconds = result.cost == "seconds"
     verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
@@ -87,7 +89,10 @@ def render(result: ParetoResult, console: Console) -> None:
     if verified:
         table.add_column("traced peak", justify="right")
         table.add_column("grads equal", justify="right")
-    for r in result.rows:
+    sac = result.extra.get("torch_sac_ilp") or {}
+    if sac.get("ran"):
+        table.add_column("PyTorch SAC MILP", justify="right")
+    for k, r in enumerate(result.rows):
         o = r.ours
         row = [
             f"{r.budget_bytes:,}",
@@ -100,6 +105,8 @@ def render(result: ParetoResult, console: Console) -> None:
         ]
         if verified:
             row += [f"{o.traced_peak_bytes:,}" if o else "-", "yes" if o and o.gradients_bitwise_equal else "NO"]
+        if sac.get("ran"):
+            row.append(f"{sac_cell(sac['as_given'][k])}\n-optim: {sac_cell(sac['less_optimizer'][k])}")
         table.add_row(*row)
     lines = [
         f"plain step's traced peak {pl.plain_peak_bytes:,} bytes ({both_units(pl.plain_peak_bytes)}); floor "
@@ -109,8 +116,13 @@ def render(result: ParetoResult, console: Console) -> None:
     for p in (result.uniform, result.sqrt_n):
         name = "uniform per-block checkpointing" if p.method == "uniform" else "Chen's sqrt(n) segments"
         lines.append(f"{name}: peak {p.peak_bytes:,} bytes at {_cost(p, seconds)} ({len(p.regions)} regions)")
-    sac = result.extra.get("torch_sac_ilp")
     if sac:
         lines.append(f"PyTorch SAC MILP: {sac.get('summary', '')}")
+    if sac.get("ran"):
+        lines.append(
+            "  its column: its predicted recomputation ms -> the peak of its plan replayed on our traced step, given "
+            "the budget as it is and (-optim) less the optimizer state; * = it discards part of a module's "
+            "activations (a per-op policy), shown with those modules recomputed whole; over = above the budget"
+        )
     items: list[Any] = [table, Text("\n".join(lines)), notes_text([*pl.candidates.notes, UNITS_NOTE])]
     print_renderables(*items, console=console)

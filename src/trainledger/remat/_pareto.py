@@ -129,11 +129,14 @@ def pareto(
     cost: CostKind = "seconds",
     verify: bool = False,
     time_limit_s: float = 20.0,
+    torch_sac: bool = True,
 ) -> ParetoResult:
     """Sweep ``num_budgets`` budgets from the plain step's traced peak down to the floor.
 
     Arguments:
         verify: apply each of our plans, trace the step again and compare gradients with the plain step's.
+        torch_sac: also run PyTorch's SAC MILP (``torch.distributed._tools.sac_ilp``) at every budget,
+            when ``pulp`` and ``pwlf`` are installed (see :mod:`trainledger.remat._sac`).
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -167,25 +170,21 @@ def pareto(
         _fixed(planner, "uniform", blocks),
         _fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
         cost,
-        extra={"torch_sac_ilp": {"ran": False, "summary": _sac_unavailable()}},
+        extra={"torch_sac_ilp": _torch_sac(planner, [r.budget_bytes for r in rows], torch_sac)},
     )
 
 
-def _sac_unavailable() -> str:
-    """Why PyTorch's SAC MILP is not compared here. Its inputs come from ``RuntimeEstimator`` and
-    ``SACEstimator``, which time kernels with CUDA events, and it needs ``pulp``."""
-    import importlib.util
+def _torch_sac(planner: Planner, budgets: list[int], run: bool) -> dict[str, Any]:
+    """PyTorch's SAC MILP at the same budgets, or why it did not run."""
+    from trainledger.remat._sac import sac_compare, sac_missing
 
-    import torch
-
-    missing = []
-    if importlib.util.find_spec("pulp") is None:
-        missing.append("pulp (pip install pulp)")
-    if not torch.cuda.is_available():
-        missing.append("a CUDA device (its runtime and SAC estimators time kernels with CUDA events)")
+    if not run:
+        return {"ran": False, "summary": "not run (switched off)"}
+    missing = sac_missing()
     if missing:
-        return "not run: it needs " + " and ".join(missing)
-    return "not run: its estimators need the model on CUDA; this sweep runs the step where the workload is"
+        return {"ran": False, "summary": "not run: pip install " + " ".join(missing)}
+    comparison = sac_compare(planner, budgets)
+    return {**comparison.to_dict(), "summary": comparison.summary(planner.plain_peak_bytes)}
 
 
 def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:
