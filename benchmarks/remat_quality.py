@@ -10,8 +10,9 @@ from the plain step's traced peak down to the floor (the lowest peak any plan re
   uniform per-block checkpointing (what ``gradient_checkpointing_enable()`` does) wherever that fits;
 - the greedy knapsack and Chen's √n are listed beside them.
 
-It also times the chain DP on a 96-block chain. PyTorch's own SAC MILP (``torch.distributed._tools.sac_ilp``)
-is reported as not run where its estimators cannot run (they time kernels with CUDA events).
+It also runs PyTorch's own SAC MILP (``torch.distributed._tools.sac_ilp.sac_milp``, needs ``pulp`` and
+``pwlf``) at the same budgets, on a ModuleInfo built from MemTracker and our measured op times, and replays
+its plans on the traced step; and it times the chain DP on a 96-block chain.
 
 Run:  python benchmarks/remat_quality.py [--budgets 8] [--plots docs]
 """
@@ -98,8 +99,59 @@ def quality(name: str, num_budgets: int, plot_dir: Path | None) -> dict[str, obj
 
 
 def torch_sac_comparison(result: object) -> str:
-    """Why PyTorch's SAC MILP is not in the table on this machine (see docs/remat.md)."""
-    return "PyTorch's SAC MILP: " + result.extra["torch_sac_ilp"]["summary"]  # type: ignore[attr-defined]
+    """PyTorch's SAC MILP (``torch.distributed._tools.sac_ilp.sac_milp``) at the same budgets, its plans
+    replayed on our traced step (see ``trainledger/remat/_sac.py``)."""
+    sac = result.extra["torch_sac_ilp"]  # type: ignore[attr-defined]
+    if not sac.get("ran"):
+        return "PyTorch's SAC MILP: " + sac["summary"]
+    rows = result.rows  # type: ignore[attr-defined]
+    out = [
+        "",
+        f"PyTorch's SAC MILP on the same step: its model of the plain step peaks at {sac['baseline_peak_bytes']:,} B "
+        f"(MemTracker's whole step: {sac['memtracker_peak_bytes']:,} B; optimizer state it leaves out: "
+        f"{sac['optimizer_bytes']:,} B). Its ms are its own prediction (piecewise-linear fit over our measured op "
+        "times); its plan's peak is the plan replayed on our traced step, and measured ms the measured time of the "
+        "ops it recomputes (* where it discards part of a module: those modules recomputed whole, which our plans "
+        "can run).",
+        "",
+        "| budget (B) | ours: traced peak | ours: ms | SAC as given: feasible? | its own peak | its ms | its plan's "
+        "peak | measured ms | fits? | SAC, budget less optimizer: feasible? | its own peak | its ms | its plan's peak "
+        "| measured ms | fits? |",
+        "|" + "---|" * 15,
+    ]
+
+    def cells(p: dict) -> str:
+        if not p["feasible"]:
+            return "infeasible | - | - | - | - | -"
+        real, ms, mark = p["replayed_peak_bytes"], p["replayed_extra_seconds"], ""
+        if real is None:
+            real, ms, mark = p["full_peak_bytes"], p["full_extra_seconds"], "*"
+        fits = "-" if real is None else ("yes" if real <= p["budget_bytes"] else "NO")
+        real_text = "-" if real is None else f"{real:,}{mark}"
+        ms_text = "-" if ms is None else f"{ms * 1e3:.2f}"
+        return f"feasible | {p['own_peak_bytes']:,} | {p['recompute_ms']:.2f} | {real_text} | {ms_text} | {fits}"
+
+    wrong_feasible = 0
+    infeasible_ours_fits = 0
+    for r, given, less in zip(rows, sac["as_given"], sac["less_optimizer"], strict=True):
+        o = r.ours
+        traced = o.traced_peak_bytes if o.traced_peak_bytes is not None else o.peak_bytes
+        out.append(
+            f"| {r.budget_bytes:,} | {traced:,} | {o.extra_seconds * 1e3:.2f} | {cells(given)} | {cells(less)} |"
+        )
+        for p in (given, less):
+            real = p["replayed_peak_bytes"] if p["replayed_peak_bytes"] is not None else p["full_peak_bytes"]
+            if p["feasible"] and real is not None and real > p["budget_bytes"]:
+                wrong_feasible += 1
+        if not less["feasible"] and traced <= r.budget_bytes:
+            infeasible_ours_fits += 1
+    out += [
+        "",
+        f"summary: {sac['summary']}; budgets where a plan it calls feasible peaks above the budget on the traced "
+        f"step: {wrong_feasible} of {2 * len(rows)}; budgets it calls infeasible (less optimizer state) that our "
+        f"plan meets on the traced step: {infeasible_ours_fits} of {len(rows)}",
+    ]
+    return "\n".join(out)
 
 
 def chain_timing(num_blocks: int = 96) -> None:

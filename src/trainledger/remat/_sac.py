@@ -84,6 +84,8 @@ class SacPoint:
     full_peak_bytes: int | None = None
     """Where the plan discards part of a module: every module it chose recomputed whole (discarding more
     than it asked for), replayed on our traced ledger."""
+    full_extra_seconds: float | None = None
+    """Measured time of the ops that whole-module version recomputes."""
 
     @property
     def within_budget(self) -> bool | None:
@@ -104,6 +106,7 @@ class SacPoint:
             "within_budget": self.within_budget,
             "why_not_replayed": self.why_not_replayed,
             "full_peak_bytes": self.full_peak_bytes,
+            "full_extra_seconds": self.full_extra_seconds,
         }
 
 
@@ -405,6 +408,7 @@ def _replayed(planner: Planner, point: SacPoint) -> SacPoint:
             + ", ".join(f"{p} ({r:.0%})" for p, r in partial.items())
             + " (a per-op policy our plans do not express)",
             full_peak_bytes=replay(cs, chosen).peak().bytes,
+            full_extra_seconds=sum(cs.candidates[j].seconds for j in chosen),
         )
     ledger = replay(cs, chosen)
     return replace(
