@@ -142,11 +142,12 @@ class SacComparison:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        pts = [
-            {"peak_bytes": p.replayed_peak_bytes, "extra_seconds": p.replayed_extra_seconds}
-            for p in self.less_optimizer
-            if p.replayed_peak_bytes is not None and p.replayed_extra_seconds is not None
-        ]
+        pts = []  # for the picture: its plans (less optimizer state) on our trace, whole modules where partial
+        for p in self.less_optimizer:
+            if p.replayed_peak_bytes is not None and p.replayed_extra_seconds is not None:
+                pts.append({"peak_bytes": p.replayed_peak_bytes, "extra_seconds": p.replayed_extra_seconds})
+            elif p.full_peak_bytes is not None and p.full_extra_seconds is not None:
+                pts.append({"peak_bytes": p.full_peak_bytes, "extra_seconds": p.full_extra_seconds})
         return {
             "ran": True,
             "baseline_peak_bytes": self.baseline_peak_bytes,
