@@ -37,7 +37,7 @@ our candidates are replayed on our traced ledger, so both are compared on the sa
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
 import math
 import warnings
@@ -56,7 +56,13 @@ GIB = 2**30
 
 def sac_missing() -> tuple[str, ...]:
     """The packages PyTorch's SAC MILP needs that are not installed."""
-    return tuple(name for name in SAC_REQUIREMENTS if importlib.util.find_spec(name) is None)
+    missing = []
+    for name in SAC_REQUIREMENTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return tuple(missing)
 
 
 @dataclass(frozen=True)
@@ -323,14 +329,9 @@ def module_info(planner: Planner) -> tuple[dict[str, Any], Any]:
 
 
 def sac_compare(planner: Planner, budgets: list[int]) -> SacComparison:
-    """Run PyTorch's ``sac_milp`` at each budget (bytes) on the ``ModuleInfo`` of :func:`module_info`.
-
-    Example:
-        >>> from trainledger.examples import gpt_tiny
-        >>> p = Planner.build(gpt_tiny())
-        >>> c = sac_compare(p, [p.plain_peak_bytes])
-        >>> c.as_given[0].feasible
-        True
+    """Run PyTorch's ``sac_milp`` at each budget (bytes) on the ``ModuleInfo`` of :func:`module_info`, once
+    with the budget as it is and once less the optimizer state; needs ``pulp`` and ``pwlf``
+    (:func:`sac_missing`). ``sac_compare(Planner.build(gpt_tiny()), [budget])`` is what ``pareto`` runs.
     """
     import copy
 
@@ -422,7 +423,13 @@ def _replayed(planner: Planner, point: SacPoint) -> SacPoint:
 def sac_cell(row: dict[str, Any]) -> str:
     """One ``SacPoint.to_dict()`` in a table cell: ``infeasible``, or its predicted recomputation ms and
     the peak of its plan replayed on our traced step (``*``: the modules it chose recomputed whole, where it
-    asked for part; ``over``: above the budget)."""
+    asked for part; ``over``: above the budget).
+
+    Example:
+        >>> row = {"feasible": True, "recompute_ms": 0.5, "replayed_peak_bytes": None, "budget_bytes": 1000}
+        >>> sac_cell({**row, "full_peak_bytes": 1024})
+        '0.50 ms → 1,024* over'
+    """
     if not row["feasible"]:
         return "infeasible"
     text = f"{row['recompute_ms']:.2f} ms"
