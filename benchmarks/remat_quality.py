@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainledger.examples import gpt_tiny
+from trainledger.examples import gpt_tiny, unet_small
 from trainledger.remat import pareto, plot_pareto
-from trainledger.remat._unet import unet_small
 from trainledger.remat.solvers import Chain, LinearModel, solve_dp, solve_milp, uniform_chain_model
 
 MODELS = {"gpt-tiny": gpt_tiny, "unet-small": unet_small}
