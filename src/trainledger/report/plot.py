@@ -14,7 +14,7 @@ from typing import Any
 
 from trainledger.errors import InputError
 from trainledger.ledger import CATEGORY_ORDER, Ledger
-from trainledger.report.exports import PLOT_SUFFIXES, check_output_path, peak_label
+from trainledger.report._files import PLOT_SUFFIXES, check_output_path, peak_label
 
 # A fixed colour per category (the same in every picture), in the fixed category order.
 CATEGORY_COLORS: dict[str, str] = {
