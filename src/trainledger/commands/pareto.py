@@ -10,8 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
-from trainledger.commands.plan import require_solvers
-from trainledger.errors import InputError
+from trainledger.commands.plan import add_cost_flag, check_model_and_cost, require_solvers
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.workload import load_workload
 
@@ -28,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_flag(p)
     p.add_argument("--budgets", type=positive_int("--budgets"), default=8, help="number of budgets (default 8)")
-    p.add_argument("--cost", default="seconds", help="what to minimise: seconds (measured) or flops")
+    add_cost_flag(p)
     p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
     p.add_argument("--plot", metavar="FILE", help="write the curve as a picture (.png or .svg)")
     add_json_flag(p)
@@ -39,10 +38,7 @@ def compute(args: argparse.Namespace) -> ParetoResult:
     require_solvers()
     from trainledger.remat._pareto import PLOT_SUFFIXES, pareto
 
-    if not args.model:
-        raise InputError("give --model NAME|file.py:factory (see --help)")
-    if args.cost not in ("seconds", "flops"):
-        raise InputError(f"unknown cost {args.cost!r}; accepted: seconds, flops")
+    check_model_and_cost(args)
     if args.plot:
         from trainledger.report.exports import check_output_path
 

@@ -43,22 +43,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", required=True, help="a share of the plain step's traced peak (60%%) or a size (2GiB)")
     p.add_argument("--verify", action="store_true", help="apply the plan, trace the step again, compare gradients")
     p.add_argument("--solver", default="auto", help=f"one of {', '.join(SOLVERS)} (default auto)")
-    p.add_argument("--cost", default="seconds", help="what to minimise: seconds (measured) or flops")
+    add_cost_flag(p)
     p.add_argument("--save", metavar="FILE", help="write the plan as JSON (apply it later with Plan.load)")
     add_json_flag(p)
     p.set_defaults(run=run)
+
+
+def add_cost_flag(p: argparse.ArgumentParser) -> None:
+    """What the solver minimises; shared by ``plan`` and ``pareto``."""
+    p.add_argument("--cost", default="seconds", help="what to minimise: seconds (measured) or flops")
+
+
+def check_model_and_cost(args: argparse.Namespace) -> None:
+    """The checks ``plan`` and ``pareto`` share, before anything is traced."""
+    if not args.model:
+        raise InputError("give --model NAME|file.py:factory (see --help)")
+    if args.cost not in ("seconds", "flops"):
+        raise InputError(f"unknown cost {args.cost!r}; accepted: seconds, flops")
 
 
 def compute(args: argparse.Namespace) -> PlanResult:
     require_solvers()
     from trainledger.remat import parse_budget, plan_and_verify
 
-    if not args.model:
-        raise InputError("give --model NAME|file.py:factory (see --help)")
+    check_model_and_cost(args)
     if args.solver not in SOLVERS:
         raise InputError(f"unknown solver {args.solver!r}; accepted: {', '.join(SOLVERS)}")
-    if args.cost not in ("seconds", "flops"):
-        raise InputError(f"unknown cost {args.cost!r}; accepted: seconds, flops")
     if args.save and not args.save.endswith(".json"):
         raise InputError(f"plan path {args.save!r} must end in .json")
     parse_budget(args.budget, 100)  # the syntax, before the step is traced

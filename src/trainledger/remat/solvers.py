@@ -30,6 +30,7 @@ Solvers:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -263,6 +264,15 @@ def min_peak(model: LinearModel, *, time_limit_s: float = 20.0) -> tuple[int, tu
 # --- the chain DP ------------------------------------------------------------------------------------
 
 
+def _is_chain(model: LinearModel) -> bool:
+    """Whether the chain DP applies: the model is a chain in the DP's sense (see :func:`chain_savings`)."""
+    try:
+        chain_savings(model)
+    except ValueError:
+        return False
+    return True
+
+
 def chain_savings(model: LinearModel) -> list[list[int]]:
     """Per position and option, the constant bytes the option saves between its forward and backward.
 
@@ -461,14 +471,9 @@ def solve(
     if solver not in SOLVERS:
         raise InputError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
     if solver == "auto":
-        if model.chain is not None:
-            try:
-                chain_savings(model)
+        if _is_chain(model):  # otherwise only the MILP handles a general graph
+            with contextlib.suppress(NoPlan):  # a discretised frontier may lose plans: the MILP settles it
                 return solve_dp(model, budget_bytes)
-            except ValueError:  # not a chain of blocks: only the MILP handles a general graph
-                pass
-            except NoPlan:  # a discretised frontier may lose plans: the MILP settles it
-                pass
         return solve_milp(model, budget_bytes, time_limit_s=time_limit_s)
     if solver == "dp":
         return solve_dp(model, budget_bytes)
