@@ -81,12 +81,24 @@ def test_a_model_without_candidates_says_why(cli):
         (["plan", "--budget", "50%"], "give --model"),
         (["plan", "--model", "gpt-tiny", "--budget", "lots"], "budget 'lots' is not understood"),
         (["plan", "--model", "gpt-tiny", "--budget=-3%"], "budget '-3%'"),
-        (["plan", "--model", "gpt-tiny", "--budget", "50%", "--solver", "fast"], "unknown solver 'fast'"),
-        (["plan", "--model", "gpt-tiny", "--budget", "50%", "--cost", "joules"], "unknown cost 'joules'"),
-        (["plan", "--model", "gpt-tiny", "--budget", "50%", "--save", "plan.txt"], "must end in .json"),
+        (
+            ["plan", "--model", "gpt-tiny", "--budget", "50%", "--solver", "fast"],
+            "argument --solver: invalid choice: 'fast'",
+        ),
+        (
+            ["plan", "--model", "gpt-tiny", "--budget", "50%", "--cost", "joules"],
+            "argument --cost: invalid choice: 'joules'",
+        ),
+        (
+            ["plan", "--model", "gpt-tiny", "--budget", "50%", "--save", "plan.txt"],
+            "plan path 'plan.txt' has suffix '.txt'; accepted: .json",
+        ),
         (["plan", "--model", "nope", "--budget", "50%"], "unknown model 'nope'"),
         (["pareto", "--model", "gpt-tiny", "--budgets", "0"], "--budgets"),
-        (["pareto", "--model", "gpt-tiny", "--budgets", "1"], "too few"),
+        (
+            ["pareto", "--model", "gpt-tiny", "--budgets", "1"],
+            "number of budgets 1 must be at least 2 (the plain peak and the floor)",
+        ),
         (["pareto", "--model", "gpt-tiny", "--plot", "curve.gif"], "accepted: .png, .svg"),
         (["pareto"], "give --model"),
     ],

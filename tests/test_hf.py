@@ -69,12 +69,12 @@ def test_lora_targets_that_match_nothing_say_what_exists():
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"micro_batch": 0}, "--micro-batch 0"),
-        ({"seq_len": 1}, "--seq-len 1"),
+        ({"micro_batch": 0}, r"micro-batch \(sequences\) 0 must be at least 1"),
+        ({"seq_len": 1}, r"sequence length \(tokens\) 1 must be at least 2"),
         ({"recipe": "fp8"}, "unknown precision recipe 'fp8'"),
         ({"optimizer": "lamb"}, "unknown optimizer 'lamb'"),
         ({"attn_impl": "flash"}, "unknown attention implementation 'flash'"),
-        ({"lora_rank": -1}, "--lora-rank -1"),
+        ({"lora_rank": -1}, r"LoRA rank \(0: off\) -1 must be at least 0"),
     ],
 )
 def test_bad_workload_options(kwargs, fragment):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainledger.checks import MAX_PARAMS, instance_of, one_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.units import dtype_bytes, parse_dtype
@@ -60,6 +61,33 @@ class StateSpec:
     """Parameters of frozen weights (a LoRA base, a reference model), in the weights' precision."""
     device: str = "device"
 
+    def __post_init__(self) -> None:
+        whole_number(self.num_params, "parameter count", limit=MAX_PARAMS)
+        whole_number(self.frozen_params, "frozen parameter count", minimum=0, limit=MAX_PARAMS)
+        for what, value in (("weight", self.weights), ("optimizer state", self.moments)):
+            _dtype(value, what)
+        if self.grads is not None and self.grads != "none":
+            _dtype(self.grads, "gradient")
+        if self.master is not None:
+            _dtype(self.master, "master copy")
+        opt = self.optimizer.lower() if isinstance(self.optimizer, str) else self.optimizer
+        if opt == "adafactor":
+            raise InputError(
+                "adafactor's factored state depends on tensor shapes, which a parameter count does not give; "
+                "inventory a real model instead"
+            )
+        one_of(opt, "optimizer", OPTIMIZER_ARRAYS)
+        instance_of(self.device, str, "device", "give a device name such as 'cuda' or 'device'")
+
+
+def _dtype(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise InputError(f"{what} precision {value!r} is not a dtype name; accepted: fp32, bf16, fp16, fp64, fp8")
+    try:
+        return parse_dtype(value)
+    except InputError as exc:
+        raise InputError(f"{what} precision: {exc}") from None
+
 
 def declared_ledger(spec: StateSpec) -> Ledger:
     """The ledger of ``spec``: one entry per full-length array, evidence ``declared``.
@@ -69,13 +97,8 @@ def declared_ledger(spec: StateSpec) -> Ledger:
         >>> led.peak().bytes
         12000000000
     """
-    if spec.num_params <= 0:
-        raise InputError(f"--params {spec.num_params} must be a positive count of parameters")
+    instance_of(spec, StateSpec, "the stated format", "give a trainledger.StateSpec(num_params=..., ...)")
     opt = spec.optimizer.lower()
-    if opt == "adafactor":
-        raise InputError("adafactor's factored state depends on tensor shapes; inventory a real model with --model")
-    if opt not in OPTIMIZER_ARRAYS:
-        raise InputError(f"unknown optimizer {spec.optimizer!r}; accepted: {', '.join(OPTIMIZER_ARRAYS)}")
     P = spec.num_params
     weights = parse_dtype(spec.weights)
     rows: list[tuple[str, Category, str, str, int]] = [("weights", Category.WEIGHTS, "param", weights, P)]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainledger.analytic._config import ArchSpec, arch_from_config, load_config_file, normalized_config
+from trainledger.checks import MAX_MICRO_BATCH, MAX_SEQ_LEN, whole_number
 from trainledger.errors import InputError
 from trainledger.workload import Workload
 
@@ -65,7 +66,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise InputError("--hf-config needs transformers: pip install 'trainledger[hf]'") from None
+        raise InputError(
+            "building a Hugging Face architecture needs transformers: pip install 'trainledger[hf]'"
+        ) from None
     return transformers
 
 
@@ -204,7 +207,7 @@ def apply_lora(model: nn.Module, rank: int, targets: Sequence[str]) -> list[str]
     Returns the wrapped modules' paths. Raises :class:`InputError` when no module matches.
     """
     if rank < 1:
-        raise InputError(f"--lora-rank {rank} must be at least 1")
+        whole_number(rank, "LoRA rank")
     model.requires_grad_(False)
     wrapped = []
     for path, module in list(model.named_modules()):
@@ -215,9 +218,7 @@ def apply_lora(model: nn.Module, rank: int, targets: Sequence[str]) -> list[str]
                 wrapped.append(f"{path}.{child_name}" if path else child_name)
     if not wrapped:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise InputError(
-            f"--lora-targets {','.join(targets)} match no linear layer; this model has: {', '.join(names)}"
-        )
+        raise InputError(f"LoRA targets {','.join(targets)} match no linear layer; this model has: {', '.join(names)}")
     return wrapped
 
 
@@ -350,15 +351,23 @@ def workload_from_hf_config(
         ((2, 16), 'llama:config')
     """
     cfg = load_hf_config(path)
-    if micro_batch < 1:
-        raise InputError(f"--micro-batch {micro_batch} must be at least 1")
-    if seq_len < 2:
-        raise InputError(f"--seq-len {seq_len} must be at least 2")
+    whole_number(micro_batch, "micro-batch (sequences)", limit=MAX_MICRO_BATCH)
+    whole_number(
+        seq_len,
+        "sequence length (tokens)",
+        minimum=2,
+        limit=MAX_SEQ_LEN,
+        minimum_why="the loss predicts the next token",
+    )
     if cfg.spec.learned_positions and seq_len > cfg.spec.learned_positions:
         raise InputError(
-            f"--seq-len {seq_len} exceeds the {cfg.spec.learned_positions} learned positions "
+            f"sequence length {seq_len} exceeds the {cfg.spec.learned_positions} learned positions "
             "(n_positions) of this model"
         )
+    whole_number(lora_rank, "LoRA rank (0: off)", minimum=0)
+    for name, flag in (("reference", reference), ("fake", fake)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} {flag!r} must be True or False")
     if recipe not in RECIPES:
         raise InputError(f"unknown precision recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
     dtype, _ = RECIPES[recipe]
@@ -376,8 +385,7 @@ def workload_from_hf_config(
             apply_lora(model, lora_rank, targets)
     if remat not in ("none", "full"):
         raise InputError(f"unknown rematerialization {remat!r} for a traced model; accepted: none, full")
-    if remat_every < 1:
-        raise InputError(f"--remat-every {remat_every} must be at least 1")
+    whole_number(remat_every, "recomputation interval (every k-th layer)")
     if remat == "full":
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.x: layers i with i % k == 0
@@ -385,7 +393,9 @@ def workload_from_hf_config(
         elif remat_every == 1:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         else:
-            raise InputError("--remat-every needs transformers with activation_checkpointing_enable (5.x)")
+            raise InputError(
+                "checkpointing every k-th layer needs transformers with activation_checkpointing_enable (5.x)"
+            )
     if fake:
         _declare_unpacked(model)
     ref_model = None

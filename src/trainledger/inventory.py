@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from trainledger.checks import instance_of
 from trainledger.ledger import Category, Entry, Evidence, Ledger, weakest_evidence
 
 EXCLUDED_NOTE = (
@@ -120,6 +121,11 @@ def inventory(
         >>> led.bytes_by("category")[("weights",)], led.bytes_by("role")[("exp_avg",)]
         (64, 64)
     """
+    instance_of(model, nn.Module, "inventory()'s model", "give an nn.Module instance")
+    if optimizer is not None:
+        instance_of(optimizer, torch.optim.Optimizer, "inventory()'s optimizer", "give a torch.optim.Optimizer or None")
+    if reference is not None:
+        instance_of(reference, nn.Module, "inventory()'s reference", "give an nn.Module instance or None")
     col = _Collector()
     for t, owner in iter_state(model, optimizer, reference=reference):
         col.add(t, owner)
@@ -296,6 +302,7 @@ class RecoveryCheckpoint:
 
 def recovery_checkpoint(ledger: Ledger) -> RecoveryCheckpoint:
     """The size of a recovery checkpoint of the state in ``ledger`` (tensor payload, no file overhead)."""
+    instance_of(ledger, Ledger, "recovery_checkpoint()'s ledger", "give a trainledger.Ledger")
     parts: dict[str, int] = {}
     for e in ledger.entries:
         if e.category == Category.WEIGHTS:

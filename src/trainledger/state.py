@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trainledger.checks import instance_of
 from trainledger.declared import StateSpec, declared_ledger
+from trainledger.errors import InputError
 from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkpoint
 from trainledger.ledger import Ledger, Payload
-from trainledger.workload import Workload, count_autograd_nodes, run_step
+from trainledger.workload import Workload, count_autograd_nodes, require_workload, run_step
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ def workload_state(workload: Workload, *, take_step: bool = True) -> StateResult
         >>> [t for _, t in r.payload.running_totals()]
         [3384, 6768, 10152, 13536]
     """
+    require_workload(workload, "workload_state")
+    if not isinstance(take_step, bool):
+        raise InputError(f"workload_state(take_step=...) is {take_step!r}; give True or False")
     nodes: list[int] = []
     if take_step:
         run_step(workload, on_loss=lambda loss: nodes.append(count_autograd_nodes(loss)), zero_grad=False)
@@ -86,6 +91,7 @@ def spec_state(spec: StateSpec) -> StateResult:
         >>> spec_state(StateSpec(num_params=10**9, master="fp32")).payload.bytes
         16000000000
     """
+    instance_of(spec, StateSpec, "spec_state()'s spec", "give a trainledger.StateSpec(num_params=..., ...)")
     ledger = declared_ledger(spec)
     return StateResult(
         source=f"declared: {spec.num_params:,} parameters",

@@ -6,9 +6,10 @@ No torch import: dtypes are known by name.
 
 from __future__ import annotations
 
-import math
 import re
+from decimal import Decimal
 
+from trainledger.checks import MAX_BYTES
 from trainledger.errors import InputError
 
 _SIZE_UNITS = {
@@ -23,52 +24,73 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*([A-Za-z]*)\s*$")
+_MAX_EXPONENT = 100  # beyond every limit below; keeps the exact arithmetic small
+
+
+def _decimal(number: str, what: str, text: object) -> Decimal:
+    """The value of a number as typed, exactly (no float rounding: ``1e40`` stays 10^40)."""
+    value = Decimal(number)  # the regular expressions let only plain decimal numbers through
+    if value.adjusted() > _MAX_EXPONENT:
+        raise InputError(f"{what} {text!r} is far too large (more than 10^{_MAX_EXPONENT})")
+    return value
 
 
 def parse_size(text: str | int) -> int:
     """Parse ``12GB``, ``11.2GiB``, ``512MiB``, ``1e9`` or plain bytes into integer bytes.
+
+    Sizes above :data:`~trainledger.checks.MAX_BYTES` (1 EiB) are refused: no machine has that memory.
 
     Example:
         >>> parse_size("1.5KiB"), parse_size("2GB")
         (1536, 2000000000)
     """
     if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), ""
+        value, unit = Decimal(text), ""
     else:
         m = _SIZE_RE.match(str(text))
         if not m or m.group(2).lower() not in _SIZE_UNITS:
             raise InputError(f"size {text!r} is not understood; use bytes or a unit: 12GB, 11.2GiB, 512MiB, 1e9")
-        value, unit = float(m.group(1)), m.group(2).lower()
+        value, unit = _decimal(m.group(1), "size", text), m.group(2).lower()
+    if value <= 0:
+        raise InputError(f"size {text!r} must be positive, e.g. 12GB, 11.2GiB, 512MiB")
     nbytes = value * _SIZE_UNITS[unit]
-    if not math.isfinite(nbytes) or nbytes <= 0:
-        raise InputError(f"size {text!r} must be positive")
-    return round(nbytes)
+    if nbytes > MAX_BYTES.value:
+        raise InputError(f"size {text!r} is more than {MAX_BYTES.value:,} bytes, the most accepted ({MAX_BYTES.why})")
+    if nbytes < 1:
+        raise InputError(f"size {text!r} is less than one byte; give at least 1 byte")
+    return int(nbytes.to_integral_value())
 
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
+_COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*([kKmMbBtT]?)\s*$")
 
 
 def parse_count(text: str | int) -> int:
-    """Parse a positive count: ``423``, ``1e9``, ``7B``, ``1.5M``.
+    """Parse a positive whole count: ``423``, ``1e9``, ``7B``, ``1.5M`` (exactly: no float rounding).
 
     Example:
-        >>> parse_count("1e9"), parse_count("7B")
-        (1000000000, 7000000000)
+        >>> parse_count("1e9"), parse_count("7B"), parse_count("1e40") == 10**40
+        (1000000000, 7000000000, True)
     """
     m = _COUNT_RE.match(str(text))
     if not m:
         raise InputError(f"count {text!r} is not a number; use e.g. 423, 1e9, 7B, 1.5M")
-    value = float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()]
-    if not math.isfinite(value) or value <= 0 or value != round(value):
-        raise InputError(f"count {text!r} must be a positive whole number")
-    return round(value)
+    value = _decimal(m.group(1), "count", text) * _COUNT_SUFFIX[m.group(2).lower()]
+    if value <= 0:
+        raise InputError(f"count {text!r} must be positive (above 0), e.g. 423, 1e9, 7B")
+    if value != value.to_integral_value():
+        raise InputError(f"count {text!r} must be a whole number, e.g. 423, 1e9, 7B")
+    return int(value)
 
 
 def format_bytes(nbytes: int | float, *, binary: bool = True) -> str:
     """``1.50 GiB`` (1024-based, default) or ``1.61 GB`` (1000-based)."""
-    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB"))
+    if binary:
+        base, units = 1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    else:
+        base, units = 1000, ("B", "kB", "MB", "GB", "TB", "PB", "EB")
     value, unit = float(nbytes), units[0]
     for unit in units:
         if abs(value) < base or unit == units[-1]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainledger.checks import describe
 from trainledger.errors import InputError
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -50,6 +51,29 @@ class Workload:
     name: str = ""
     _optimizer: torch.optim.Optimizer | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        _check_module(self.model, "Workload model", required=True)
+        opt = self.optimizer
+        if opt is not None and not isinstance(opt, torch.optim.Optimizer) and not callable(opt):
+            raise InputError(
+                f"Workload optimizer is {describe(opt)}; accepted: None (AdamW), a torch.optim.Optimizer "
+                "instance, or a factory of the parameters such as torch.optim.Adam or "
+                "lambda params: torch.optim.Adam(params, lr=1e-3)"
+            )
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise InputError(
+                f"Workload loss_fn is {describe(self.loss_fn)}; accepted: None (the output is the loss) "
+                "or a function loss_fn(output, batch) returning a scalar tensor"
+            )
+        _check_module(self.reference, "Workload reference", required=False)
+        if self.autocast_dtype is not None and not isinstance(self.autocast_dtype, torch.dtype):
+            raise InputError(
+                f"Workload autocast_dtype is {describe(self.autocast_dtype)}; accepted: None or a torch dtype "
+                "such as torch.bfloat16"
+            )
+        if not isinstance(self.name, str):
+            raise InputError(f"Workload name is {describe(self.name)}; give a str")
+
     def get_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer instance, built once from the factory (default AdamW) on first use."""
         if self._optimizer is None:
@@ -65,6 +89,27 @@ class Workload:
                 raise InputError("the optimizer holds no trainable parameters; give it the model's parameters")
             self._optimizer = opt
         return self._optimizer
+
+
+def _check_module(value: Any, what: str, *, required: bool) -> None:
+    if value is None and not required:
+        return
+    if isinstance(value, nn.Module):
+        return
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        raise InputError(f"{what} is the class {value.__name__}, not a model; build one first: {value.__name__}(...)")
+    accepted = "an nn.Module instance" + ("" if required else " or None")
+    raise InputError(f"{what} is {describe(value)}; accepted: {accepted}")
+
+
+def require_workload(value: Any, caller: str) -> Workload:
+    """``value`` if it is a :class:`Workload`; otherwise one line saying how to make one (for ``caller``)."""
+    if isinstance(value, Workload):
+        return value
+    hint = "build one with trainledger.Workload(model, batch, loss_fn=..., optimizer=...)"
+    if isinstance(value, nn.Module):
+        hint = "wrap the model with its batch: trainledger.Workload(model, batch)"
+    raise InputError(f"{caller}() takes a trainledger.Workload; got {describe(value)}: {hint}")
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -116,6 +161,7 @@ def run_step(
         on_loss: called with the loss before backward (e.g. to count the autograd graph).
         zero_grad: ``False`` leaves the gradients in place (to inventory them).
     """
+    require_workload(workload, "run_step")
     note = on_phase or (lambda _phase: None)
     optimizer = workload.get_optimizer()
     note("forward")
@@ -198,6 +244,8 @@ def load_workload(spec: str) -> Workload:
     """
     from trainledger import examples
 
+    if not isinstance(spec, str):
+        raise InputError(f"model {describe(spec)}: give a built-in example's name or 'path/to/file.py:factory'")
     if spec in examples.EXAMPLES:
         return examples.build(spec)
     if ":" not in spec:

@@ -19,10 +19,11 @@ from trainledger.analytic._estimate import EstimateResult, estimate
 from trainledger.analytic._fit import Candidate, FitOptions, FitResult, fit
 from trainledger.analytic._model import analytic_ledger, compact, saved_bytes_per_layer, step_flops
 from trainledger.analytic._params import ParamTensor, num_params, param_tensors
-from trainledger.analytic._setup import RECIPES, REMATS, Setup
+from trainledger.analytic._setup import OPTIMIZERS, RECIPES, REMATS, Setup
 
 __all__ = [
     "FAMILIES",
+    "OPTIMIZERS",
     "RECIPES",
     "REMATS",
     "ArchSpec",

@@ -9,10 +9,21 @@ the bad value. Keys a config may omit take the defaults of the family's ``transf
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainledger.checks import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_PARAMS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    Limit,
+    describe,
+)
 from trainledger.errors import InputError
 
 Family = Literal["llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral"]
@@ -131,21 +142,27 @@ class ArchSpec:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """The JSON object in ``path`` (a ``config.json`` or a folder holding one). Nothing is downloaded."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"config is {describe(path)}; give the path of a config.json, a folder holding one, or a dict")
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise InputError(f"--hf-config {str(path)!r}: no such file (give a config.json or a folder holding one)")
+        raise InputError(f"config {str(path)!r}: no such file (give a config.json or a folder holding one)")
     try:
         raw = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise InputError(
-            f"--hf-config {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            f"config {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
     except UnicodeDecodeError:
-        raise InputError(f"--hf-config {str(p)!r} is not a UTF-8 text file; give a config.json") from None
+        raise InputError(f"config {str(p)!r} is not a UTF-8 text file; give a config.json") from None
+    except OSError as exc:
+        raise InputError(f"config {str(p)!r} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except RecursionError:
+        raise InputError(f"config {str(p)!r} nests too deeply to be a config.json") from None
     if not isinstance(raw, dict):
-        raise InputError(f"--hf-config {str(p)!r} holds a JSON {type(raw).__name__}, not an object of config keys")
+        raise InputError(f"config {str(p)!r} holds a JSON {type(raw).__name__}, not an object of config keys")
     return raw
 
 
@@ -167,12 +184,16 @@ def normalized_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _size(cfg: dict[str, Any], key: str) -> int:
+def _size(cfg: dict[str, Any], key: str, limit: Limit = MAX_WIDTH) -> int:
+    """A positive whole size, no larger than ``limit``: an implausible size is refused in one line before
+    anything is built (a billion layers would exhaust memory, not answer a question)."""
     value = cfg[key]
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(f"config key {key!r} is {value!r}; it must be a whole number")
     if value <= 0:
         raise InputError(f"config key {key!r} is {value}; it must be positive")
+    if value > limit.value:
+        raise InputError(f"config key {key!r} is {value:,}; at most {limit.value:,} is accepted ({limit.why})")
     return value
 
 
@@ -201,8 +222,8 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
     gpt2 = family == "gpt2"
     hidden = _size(cfg, "n_embd" if gpt2 else "hidden_size")
     heads = _size(cfg, "n_head" if gpt2 else "num_attention_heads")
-    layers = _size(cfg, "n_layer" if gpt2 else "num_hidden_layers")
-    vocab = _size(cfg, "vocab_size")
+    layers = _size(cfg, "n_layer" if gpt2 else "num_hidden_layers", MAX_LAYERS)
+    vocab = _size(cfg, "vocab_size", MAX_VOCAB)
     if gpt2:
         inter = 4 * hidden if cfg.get("n_inner") is None else _size(cfg, "n_inner")
     else:
@@ -229,7 +250,7 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
         raise InputError(f"config key 'tie_word_embeddings' is {tied!r}; it must be true or false")
     num_experts = top_k = 0
     if family == "mixtral":
-        num_experts = _size(cfg, "num_local_experts")
+        num_experts = _size(cfg, "num_local_experts", MAX_EXPERTS)
         top_k = _size(cfg, "num_experts_per_tok")
         if top_k > num_experts:
             raise InputError(f"num_experts_per_tok {top_k} exceeds num_local_experts {num_experts}")
@@ -258,6 +279,21 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
         num_experts=num_experts,
         top_k=top_k,
     )
+    spec = _spec(family, cfg, common)
+    from trainledger.analytic._params import num_params
+
+    total = num_params(spec)
+    if total > MAX_PARAMS.value:
+        raise InputError(
+            f"this {family} config has {total:,} parameters; at most {MAX_PARAMS.value:,} are accepted "
+            f"({MAX_PARAMS.why}); check its sizes"
+        )
+    return spec
+
+
+def _spec(family: Family, cfg: dict[str, Any], common: dict[str, Any]) -> ArchSpec:
+    """The family-specific part of :func:`arch_from_config`."""
+    gpt2 = family == "gpt2"
     if family in ("llama", "mistral", "qwen2", "mixtral"):
         attn_bias = bool(cfg.get("attention_bias", False)) if family == "llama" else False
         return ArchSpec(
@@ -286,7 +322,7 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
             lm_head_bias=False,
             parallel_residual=False,
             num_norms_per_layer=2,
-            learned_positions=_size(cfg, "n_positions"),
+            learned_positions=_size(cfg, "n_positions", MAX_SEQ_LEN),
             attn_dropout=_prob(cfg, "attn_pdrop"),
             resid_dropout=_prob(cfg, "resid_pdrop"),
             embd_dropout=_prob(cfg, "embd_pdrop"),

@@ -10,6 +10,8 @@ from trainledger.analytic._config import ArchSpec, arch_from_config, load_config
 from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
 from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import Setup
+from trainledger.checks import instance_of, whole_number
+from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 
 STAGES = ("zero0", "zero1", "zero2", "zero3")
@@ -44,6 +46,27 @@ class EstimateResult:
         return out
 
 
+def read_config(config: Any) -> dict[str, Any]:
+    """The config as a dict: a ``config.json``, a folder holding one, or the dict itself."""
+    return dict(config) if isinstance(config, dict) else load_config_file(config)
+
+
+def check_setup(setup: Any) -> Setup:
+    """``setup``, or the default :class:`Setup` for ``None``."""
+    if setup is None:
+        return Setup()
+    return instance_of(setup, Setup, "setup", "give a trainledger.Setup(micro_batch=..., seq_len=..., ...) or None")
+
+
+def check_positions(spec: ArchSpec, setup: Setup) -> None:
+    """A model with learned positions (GPT-2) cannot run sequences longer than it has positions."""
+    if spec.learned_positions and setup.seq_len > spec.learned_positions:
+        raise InputError(
+            f"sequence length {setup.seq_len} exceeds the {spec.learned_positions} learned positions "
+            "(n_positions) of this model"
+        )
+
+
 def shard_ledger(ledger: Ledger, world: int, stage: str) -> tuple[Ledger, tuple[str, ...]]:
     """Rank 0's ledger of ``ledger`` under ZeRO ``stage`` over ``world`` ranks (DeepSpeed's partitioning)."""
     if world == 1 or (stage == "zero0" and world == 1):
@@ -74,21 +97,14 @@ def estimate(
     """
     from trainledger.shard import parse_strategy
 
-    raw = dict(config) if isinstance(config, dict) else load_config_file(config)
-    spec = arch_from_config(raw)
-    setup = setup or Setup()
-    if spec.learned_positions and setup.seq_len > spec.learned_positions:
-        from trainledger.errors import InputError
-
-        raise InputError(
-            f"--seq-len {setup.seq_len} exceeds the {spec.learned_positions} learned positions "
-            "(n_positions) of this model"
-        )
+    setup = check_setup(setup)
+    whole_number(world, "world size (data-parallel ranks)")
     strategy = parse_strategy(stage)
     if strategy not in STAGES:
-        from trainledger.errors import InputError
-
-        raise InputError(f"--stage {stage!r}: the analytic estimate takes ZeRO stages 0, 1, 2, 3")
+        raise InputError(f"stage {stage!r}: the analytic estimate takes ZeRO stages 0, 1, 2, 3")
+    raw = read_config(config)
+    spec = arch_from_config(raw)
+    check_positions(spec, setup)
     led = analytic_ledger(spec, setup)
     trainable = led.num_params()
     led, _ = shard_ledger(led, world, strategy)

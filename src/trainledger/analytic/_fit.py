@@ -13,10 +13,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainledger.analytic._config import arch_from_config, load_config_file
+from trainledger.analytic._config import arch_from_config
 from trainledger.analytic._model import analytic_ledger, compact, step_flops
 from trainledger.analytic._params import num_params
-from trainledger.analytic._setup import REMATS, Setup
+from trainledger.analytic._setup import RECIPES, REMATS, Setup
+from trainledger.checks import MAX_BYTES, MAX_MICRO_BATCH, instance_of, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 
 
@@ -39,6 +40,31 @@ class FitOptions:
     """Per-rank data-parallel bandwidth (10^9 bit/s), for the exposed communication."""
     reserve_bytes: int = 0
     """Memory kept free on the device (allocator caching, CUDA context, fragmentation)."""
+
+    def __post_init__(self) -> None:
+        whole_number(self.device_memory, "device memory (bytes)", limit=MAX_BYTES)
+        whole_number(self.reserve_bytes, "reserve (bytes)", minimum=0, limit=MAX_BYTES)
+        if self.device_memory <= self.reserve_bytes:
+            raise InputError(
+                f"device memory {self.device_memory:,} bytes leaves nothing after the reserve of "
+                f"{self.reserve_bytes:,} bytes; lower the reserve"
+            )
+        whole_number(self.world, "world size (data-parallel ranks)")
+        for what, values, accepted in (
+            ("ZeRO stage", self.stages, ("zero0", "zero1", "zero2", "zero3")),
+            ("rematerialization policy", self.remats, REMATS),
+            ("precision recipe", self.recipes, RECIPES),
+        ):
+            if not isinstance(values, tuple) or not values:
+                raise InputError(f"{what}s {values!r} must be a non-empty tuple; accepted: {', '.join(accepted)}")
+            for v in values:
+                one_of(v, what, accepted)
+        if not isinstance(self.micro_batches, tuple) or not self.micro_batches:
+            raise InputError(f"micro-batches {self.micro_batches!r} must be a non-empty tuple of whole numbers")
+        for mb in self.micro_batches:
+            whole_number(mb, "micro-batch (sequences)", limit=MAX_MICRO_BATCH)
+        positive_number(self.tflops, "throughput", unit="TFLOP/s")
+        positive_number(self.link_gbps, "link bandwidth", unit="gigabits per second")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,20 +171,14 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
         >>> r.fitting[0].relative_cost
         1.0
     """
-    from trainledger.analytic._estimate import shard_ledger
+    from trainledger.analytic._estimate import check_positions, check_setup, read_config, shard_ledger
     from trainledger.shard import ShardConfig, estimate_time, parse_strategy, shard
 
-    raw = dict(config) if isinstance(config, dict) else load_config_file(config)
+    instance_of(options, FitOptions, "fit options", "give a trainledger.FitOptions(device_memory=..., ...)")
+    base = check_setup(base)
+    raw = read_config(config)
     spec = arch_from_config(raw)
-    base = base or Setup()
-    if options.device_memory <= options.reserve_bytes:
-        raise InputError(
-            f"--device-memory {options.device_memory} leaves nothing after the reserve {options.reserve_bytes}"
-        )
-    if options.world < 1:
-        raise InputError(f"--world {options.world} must be at least 1")
-    if not options.tflops > 0 or not options.link_gbps > 0:
-        raise InputError("--tflops and --link-gbps must be positive")
+    check_positions(spec, base)
     stages = [parse_strategy(s) for s in options.stages]
     usable = options.device_memory - options.reserve_bytes
     fitting: list[Candidate] = []

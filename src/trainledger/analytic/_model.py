@@ -446,12 +446,14 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
     if setup.pipeline_parallel > spec.num_layers:
         from trainledger.errors import InputError
 
-        raise InputError(f"--pipeline-parallel {setup.pipeline_parallel} exceeds the model's {spec.num_layers} layers")
+        raise InputError(
+            f"pipeline-parallel degree {setup.pipeline_parallel} exceeds the model's {spec.num_layers} layers"
+        )
     if setup.tensor_parallel > 1 and spec.num_kv_heads % setup.tensor_parallel:
         from trainledger.errors import InputError
 
         raise InputError(
-            f"--tensor-parallel {setup.tensor_parallel} does not divide the {spec.num_kv_heads} key/value heads"
+            f"tensor-parallel degree {setup.tensor_parallel} does not divide the {spec.num_kv_heads} key/value heads"
         )
     if setup.lora_rank:
         targets = lora_targets(setup, spec)
@@ -460,7 +462,7 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
             from trainledger.errors import InputError
 
             raise InputError(
-                f"--lora-targets {','.join(targets)} match no linear layer of this {spec.family} model; "
+                f"LoRA targets {','.join(targets)} match no linear layer of this {spec.family} model; "
                 f"it has: {', '.join(linears)}"
             )
     stages = [setup.pipeline_stage] if setup.pipeline_stage is not None else list(range(setup.pipeline_parallel))

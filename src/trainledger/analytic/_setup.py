@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainledger.checks import MAX_MICRO_BATCH, MAX_SEQ_LEN, one_of, whole_number
 from trainledger.declared import OPTIMIZER_ARRAYS
 from trainledger.errors import InputError
 
@@ -62,28 +63,38 @@ class Setup:
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "remat_every", "tensor_parallel", "pipeline_parallel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"--{name.replace('_', '-')} {value!r} must be a whole number, at least 1")
+        whole_number(self.micro_batch, "micro-batch (sequences)", limit=MAX_MICRO_BATCH)
+        whole_number(self.seq_len, "sequence length (tokens)", limit=MAX_SEQ_LEN)
         if self.seq_len < 2:
-            raise InputError(f"--seq-len {self.seq_len} must be at least 2 (the loss predicts the next token)")
-        if self.recipe not in RECIPES:
-            raise InputError(f"unknown precision recipe {self.recipe!r}; accepted: {', '.join(RECIPES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise InputError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+            raise InputError(f"sequence length {self.seq_len} must be at least 2 (the loss predicts the next token)")
+        whole_number(self.remat_every, "recomputation interval (every k-th layer)")
+        whole_number(self.tensor_parallel, "tensor-parallel degree")
+        whole_number(self.pipeline_parallel, "pipeline-parallel degree (stages)")
+        one_of(self.recipe, "precision recipe", RECIPES)
+        one_of(self.optimizer, "optimizer", OPTIMIZERS)
         if self.recipe == "bf16-master" and self.optimizer not in ("adamw", "adam"):
             raise InputError(f"the bf16-master recipe is modelled with adamw or adam, not {self.optimizer!r}")
-        if self.attn_impl not in ("eager", "sdpa"):
-            raise InputError(f"unknown attention implementation {self.attn_impl!r}; accepted: eager, sdpa")
-        if self.device not in ("cuda", "cpu"):
-            raise InputError(f"unknown device kind {self.device!r}; accepted: cuda, cpu")
-        if self.remat not in REMATS:
-            raise InputError(f"unknown rematerialization policy {self.remat!r}; accepted: {', '.join(REMATS)}")
-        if self.lora_rank < 0:
-            raise InputError(f"--lora-rank {self.lora_rank} must be 0 (off) or positive")
-        if self.pipeline_stage is not None and not 0 <= self.pipeline_stage < self.pipeline_parallel:
-            raise InputError(f"--pipeline-stage {self.pipeline_stage} must be in 0..{self.pipeline_parallel - 1}")
+        one_of(self.attn_impl, "attention implementation", ("eager", "sdpa"))
+        one_of(self.device, "device kind", ("cuda", "cpu"))
+        one_of(self.remat, "rematerialization policy", REMATS)
+        whole_number(self.lora_rank, "LoRA rank (0: off)", minimum=0)
+        if not isinstance(self.lora_targets, tuple) or not all(isinstance(t, str) for t in self.lora_targets):
+            raise InputError(f"LoRA targets {self.lora_targets!r} must be a tuple of linear names, e.g. ('q_proj',)")
+        for name in ("reference", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} {getattr(self, name)!r} must be True or False")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise InputError(
+                "sequence parallelism splits activations across tensor-parallel ranks; it needs a "
+                "tensor-parallel degree above 1 (or leave it off)"
+            )
+        if self.pipeline_stage is not None:
+            whole_number(self.pipeline_stage, "pipeline stage", minimum=0)
+            if self.pipeline_stage >= self.pipeline_parallel:
+                raise InputError(
+                    f"pipeline stage {self.pipeline_stage} must be in 0..{self.pipeline_parallel - 1} "
+                    f"(there are {self.pipeline_parallel} stages)"
+                )
 
     @property
     def weight_dtype(self) -> str:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 from rich.console import Console
 
+from trainledger.checks import Limit, whole_number
 from trainledger.errors import InputError
 from trainledger.report.terminal import make_console
 from trainledger.units import parse_count, parse_size
@@ -29,42 +33,66 @@ def add_model_flag(p: argparse.ArgumentParser, *, required: bool = False) -> Non
     )
 
 
+def input_paths(args: argparse.Namespace) -> list[str]:
+    """The files the user gave as inputs (a model file, a config): outputs must never overwrite them."""
+    spec = getattr(args, "model", None) or ""
+    given = [spec.rpartition(":")[0]] if ":" in spec else []
+    return given + ([args.hf_config] if getattr(args, "hf_config", None) else [])
+
+
+def flags_verb(flags: list[str], singular: str, plural: str) -> str:
+    """``--a applies`` or ``--a, --b apply``: the flags a message names, with its verb agreeing."""
+    return f"{', '.join(flags)} {singular if len(flags) == 1 else plural}"
+
+
 def print_json(obj: dict[str, Any]) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 
-def count_arg(flag: str):
-    def parse(text: str) -> int:
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type=`` from a parser raising :class:`InputError`: its message becomes argparse's one line."""
+
+    def parse_arg(text: str) -> Any:
         try:
-            return parse_count(text)
+            return parse(text)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{flag}: {exc}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    return parse
-
-
-def size_arg(flag: str):
-    def parse(text: str) -> int:
-        try:
-            return parse_size(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{flag}: {exc}") from None
-
-    return parse
+    parse_arg.__name__ = parse.__name__
+    return parse_arg
 
 
-def positive_int(flag: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} {text!r} is not a whole number") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} {value} must be at least 1")
-        return value
+count_arg = _argparse_type(parse_count)
+"""A positive count (``1e9``, ``7B``), parsed exactly."""
+size_arg = _argparse_type(parse_size)
+"""A size (``12GB``, ``11.2GiB``, bytes)."""
 
-    return parse
+_NUMBER = re.compile(r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$")
+
+
+def positive_int(*, minimum: int = 1, limit: Limit | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``[minimum, limit]`` (``4096``, and ``1e6`` too)."""
+
+    def whole(text: str) -> int:
+        value = Decimal(text) if _NUMBER.match(text) else None
+        if value is None or value != value.to_integral_value():
+            raise InputError(f"{text!r} is not a whole number; give e.g. {max(minimum, 1) * 8}")
+        if value.adjusted() > 30:
+            raise InputError(
+                f"{text!r} is far too large" + (f"; at most {limit.value:,} ({limit.why})" if limit else "")
+            )
+        return whole_number(int(value), "", minimum=minimum, limit=limit)
+
+    return _argparse_type(whole)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above zero (bandwidths, rates, seconds)."""
+    value = float(text) if _NUMBER.match(text) else None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0; give e.g. 400 or 2.5")
+    return value
 
 
 def require(condition: bool, message: str) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.analytic import REMATS, Setup
+from trainledger.analytic import OPTIMIZERS, RECIPES, REMATS, Setup
 from trainledger.analytic._estimate import EstimateResult, estimate
 from trainledger.commands.common import add_json_flag, emit, positive_int
+from trainledger.errors import InputError
 from trainledger.report.terminal import (
     UNITS_NOTE,
     both_units,
@@ -19,31 +21,96 @@ from trainledger.report.terminal import (
     print_renderables,
 )
 
-RECIPE_HELP = "bf16-master (bf16 weights, fp32 master and moments), bf16 (pure), fp32 (default bf16-master)"
+RECIPE_HELP = "bf16-master (bf16 weights, fp32 master and moments), bf16 (pure) or fp32 (default bf16-master)"
+STEP_DEFAULTS: dict[str, Any] = {
+    "micro_batch": 1,
+    "seq_len": 2048,
+    "dtype": "bf16-master",
+    "optimizer": "adamw",
+    "attn": "sdpa",
+    "lora_rank": 0,
+    "lora_targets": None,
+    "reference": False,
+}
+"""The step of a Hugging Face architecture when its flags are not given."""
+
+
+def add_step_flags(p: argparse._ActionsContainer, *, micro_batch: bool = True, unset: bool = False) -> None:
+    """The flags of one step of a Hugging Face architecture (``estimate``, ``fit``, ``trace --hf-config``).
+
+    ``unset``: leave every default ``None`` (the help still states it), so that a command can tell a flag
+    the user gave from one left alone (``trace --model`` refuses the flags it would ignore).
+    """
+
+    def default(name: str) -> Any:
+        return None if unset else STEP_DEFAULTS[name]
+
+    if micro_batch:
+        p.add_argument(
+            "--micro-batch", type=positive_int(), default=default("micro_batch"), help="sequences (default 1)"
+        )
+    p.add_argument(
+        "--seq-len", type=positive_int(), default=default("seq_len"), help="tokens per sequence (default 2048)"
+    )
+    p.add_argument("--dtype", default=default("dtype"), choices=tuple(RECIPES), metavar="RECIPE", help=RECIPE_HELP)
+    p.add_argument(
+        "--optimizer",
+        default=default("optimizer"),
+        choices=OPTIMIZERS,
+        metavar="NAME",
+        help=f"{', '.join(OPTIMIZERS)} (default adamw)",
+    )
+    p.add_argument(
+        "--attn",
+        default=default("attn"),
+        choices=("sdpa", "eager"),
+        metavar="IMPL",
+        help="attention implementation: sdpa or eager (default sdpa)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=positive_int(minimum=0),
+        default=default("lora_rank"),
+        help="LoRA rank (frozen base); 0 trains every weight (default 0)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help="with --lora-rank: comma-separated linears to adapt (default q_proj,v_proj)",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        default=default("reference"),
+        help="a frozen reference model and the DPO loss",
+    )
 
 
 def add_setup_flags(p: argparse.ArgumentParser, *, micro_batch: bool = True) -> None:
     """The flags that describe the step, shared by ``estimate`` and ``fit``."""
     p.add_argument("--hf-config", required=True, metavar="PATH", help="a local config.json or a folder holding one")
-    if micro_batch:
-        p.add_argument("--micro-batch", type=positive_int("--micro-batch"), default=1, help="sequences (default 1)")
-    p.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--dtype", default="bf16-master", metavar="RECIPE", help=RECIPE_HELP)
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum (default adamw)")
-    p.add_argument("--attn", default="sdpa", metavar="IMPL", help="attention implementation: sdpa or eager")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (frozen base); 0 trains every weight")
-    p.add_argument("--lora-targets", default=None, help="comma-separated linears to adapt (default q_proj,v_proj)")
-    p.add_argument("--reference", action="store_true", help="a frozen reference model and the DPO loss")
-    p.add_argument("--tensor-parallel", type=positive_int("--tensor-parallel"), default=1, help="Megatron TP degree")
-    p.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: split norms/dropouts")
-    p.add_argument("--pipeline-parallel", type=positive_int("--pipeline-parallel"), default=1, help="1F1B stages")
+    add_step_flags(p, micro_batch=micro_batch)
+    p.add_argument("--tensor-parallel", type=positive_int(), default=1, help="Megatron TP degree (default 1)")
+    p.add_argument(
+        "--sequence-parallel", action="store_true", help="with --tensor-parallel above 1: split norms/dropouts"
+    )
+    p.add_argument("--pipeline-parallel", type=positive_int(), default=1, help="1F1B stages (default 1)")
     p.add_argument(
         "--device-kind",
         default="cuda",
+        choices=("cuda", "cpu"),
         metavar="KIND",
         help="whose kernels: cuda (default) or cpu (to compare with a trace on this machine)",
     )
-    p.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    """``--lora-targets`` only means something with a LoRA rank."""
+    if args.lora_targets is not None and not args.lora_rank:
+        raise InputError(
+            f"--lora-targets {args.lora_targets!r} needs --lora-rank N (above 0); add it or drop the targets"
+        )
 
 
 def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
@@ -56,7 +123,7 @@ def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
         attn_impl=args.attn,
         device=args.device_kind,
         remat=getattr(args, "remat", "none"),
-        remat_every=getattr(args, "remat_every", 1),
+        remat_every=getattr(args, "remat_every", None) or 1,
         lora_rank=args.lora_rank,
         lora_targets=targets,
         reference=args.reference,
@@ -76,14 +143,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "activations as each family saves them, the peak taken at one instant (evidence analytic).",
     )
     add_setup_flags(p)
-    p.add_argument("--remat", default="none", help=f"rematerialization: {', '.join(REMATS)} (default none)")
-    p.add_argument("--remat-every", type=positive_int("--remat-every"), default=1, help="with full: every k-th layer")
+    p.add_argument(
+        "--remat",
+        default="none",
+        choices=REMATS,
+        metavar="POLICY",
+        help=f"rematerialization: {', '.join(REMATS)} (default none)",
+    )
+    p.add_argument(
+        "--remat-every", type=positive_int(), default=None, help="with --remat full: every k-th layer (default 1)"
+    )
     p.add_argument("--stage", default="0", help="ZeRO stage 0, 1, 2 or 3 across --world ranks (default 0)")
     add_json_flag(p)
     p.set_defaults(run=run)
 
 
 def compute(args: argparse.Namespace) -> EstimateResult:
+    check_lora_flags(args)
+    if args.remat_every is not None and args.remat != "full":
+        raise InputError(f"--remat-every {args.remat_every} applies with --remat full; add it or drop --remat-every")
     return estimate(args.hf_config, setup_from(args), world=args.world, stage=args.stage)
 
 

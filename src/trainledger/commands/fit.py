@@ -8,13 +8,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.analytic import Setup
+from trainledger.analytic import RECIPES, Setup
 from trainledger.analytic._fit import FitOptions, FitResult, fit
-from trainledger.commands.common import add_json_flag, emit, positive_int, size_arg
-from trainledger.commands.estimate import add_setup_flags, setup_from
+from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
+from trainledger.commands.estimate import add_setup_flags, check_lora_flags, setup_from
 from trainledger.errors import InputError
 from trainledger.report.terminal import UNITS_NOTE, both_units, notes_text, print_renderables
 from trainledger.units import format_bytes
+
+DEFAULT_RECIPES = "bf16-master,bf16"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,13 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model; list what fits with its predicted peak and relative step cost, and what does not, by how much.",
     )
     add_setup_flags(p, micro_batch=False)
-    p.add_argument("--device-memory", type=size_arg("--device-memory"), required=True, help="e.g. 80GiB, 24GB")
-    p.add_argument("--reserve", type=size_arg("--reserve"), default=None, help="memory kept free (default none)")
+    p.add_argument("--device-memory", type=size_arg, required=True, help="e.g. 80GiB, 24GB")
+    p.add_argument("--reserve", type=size_arg, default=None, help="memory kept free (default none)")
     p.add_argument("--micro-batches", default="1,2,4,8,16,32", help="micro-batch sizes to try (default 1,2,4,8,16,32)")
-    p.add_argument("--recipes", default="bf16-master,bf16", help="precision recipes to try (default bf16-master,bf16)")
-    p.add_argument("--tflops", type=float, default=400.0, help="sustained TFLOP/s per device, for the cost")
-    p.add_argument("--link-gbps", type=float, default=400.0, help="per-rank Gbit/s for data parallelism")
-    p.add_argument("--top", type=positive_int("--top"), default=12, help="rows of each table (default 12)")
+    p.add_argument(
+        "--recipes",
+        default=None,
+        help="precision recipes to try, comma-separated: bf16-master, bf16, fp32 (default bf16-master,bf16)",
+    )
+    p.set_defaults(dtype=None)  # --dtype R searches that one recipe; without it --recipes (or its default)
+    p.add_argument("--tflops", type=positive_float, default=400.0, help="sustained TFLOP/s per device, for the cost")
+    p.add_argument("--link-gbps", type=positive_float, default=400.0, help="per-rank Gbit/s for data parallelism")
+    p.add_argument("--top", type=positive_int(), default=12, help="rows of each table (default 12)")
     add_json_flag(p)
     p.set_defaults(run=run)
 
@@ -43,10 +50,14 @@ def compute(args: argparse.Namespace) -> FitResult:
         raise InputError(f"--micro-batches {args.micro_batches!r}: give whole numbers separated by commas") from None
     if not mbs or min(mbs) < 1:
         raise InputError(f"--micro-batches {args.micro_batches!r}: give positive whole numbers, e.g. 1,2,4,8")
-    recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
-    base: Setup = setup_from(args, micro_batch=1, recipe=recipes[0] if recipes else args.dtype)
-    for r in recipes:
-        Setup(recipe=r)  # validates the name with the usual message
+    check_lora_flags(args)
+    if args.dtype is not None and args.recipes is not None:
+        raise InputError(f"give --dtype {args.dtype} (one recipe) or --recipes {args.recipes} (several), not both")
+    text = args.recipes if args.recipes is not None else (args.dtype or DEFAULT_RECIPES)
+    recipes = tuple(r.strip() for r in text.split(",") if r.strip())
+    if not recipes:
+        raise InputError(f"--recipes {text!r} names no recipe; accepted: {', '.join(RECIPES)}")
+    base: Setup = setup_from(args, micro_batch=1, recipe=recipes[0])
     options = FitOptions(
         device_memory=args.device_memory,
         world=args.world,

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
-from trainledger.commands.plan import add_cost_flag, check_model_and_cost, require_solvers
+from trainledger.commands.common import add_json_flag, add_model_flag, input_paths, positive_int, print_json
+from trainledger.commands.plan import add_cost_flag, require_model, require_solvers
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.workload import load_workload
 
@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with the MILP optimum, a greedy knapsack, uniform per-block checkpointing and Chen's sqrt(n).",
     )
     add_model_flag(p)
-    p.add_argument("--budgets", type=positive_int("--budgets"), default=8, help="number of budgets (default 8)")
+    p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets (default 8)")
     add_cost_flag(p)
     p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
     p.add_argument("--plot", metavar="FILE", help="write the curve as a picture (.png or .svg)")
@@ -36,13 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def compute(args: argparse.Namespace) -> ParetoResult:
     require_solvers()
-    from trainledger.remat._pareto import PLOT_SUFFIXES, pareto
+    from trainledger.remat._pareto import pareto
 
-    check_model_and_cost(args)
+    require_model(args)
     if args.plot:
-        from trainledger.report.exports import check_output_path
+        from trainledger.report.exports import check_export_paths
 
-        check_output_path(args.plot, PLOT_SUFFIXES, what="plot")
+        check_export_paths(plot=args.plot, protect=input_paths(args))  # the suffix, the folder, matplotlib
     return pareto(load_workload(args.model), num_budgets=args.budgets, cost=args.cost, verify=args.verify)
 
 

@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, print_json
+from trainledger.commands.common import add_json_flag, add_model_flag, input_paths, print_json
 from trainledger.errors import InputError
+from trainledger.report._files import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
 from trainledger.workload import load_workload
 
@@ -42,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_flag(p)
     p.add_argument("--budget", required=True, help="a share of the plain step's traced peak (60%%) or a size (2GiB)")
     p.add_argument("--verify", action="store_true", help="apply the plan, trace the step again, compare gradients")
-    p.add_argument("--solver", default="auto", help=f"one of {', '.join(SOLVERS)} (default auto)")
+    p.add_argument("--solver", default="auto", choices=SOLVERS, help=f"one of {', '.join(SOLVERS)} (default auto)")
     add_cost_flag(p)
     p.add_argument("--save", metavar="FILE", help="write the plan as JSON (apply it later with Plan.load)")
     add_json_flag(p)
@@ -51,27 +52,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_cost_flag(p: argparse.ArgumentParser) -> None:
     """What the solver minimises; shared by ``plan`` and ``pareto``."""
-    p.add_argument("--cost", default="seconds", help="what to minimise: seconds (measured) or flops")
+    p.add_argument(
+        "--cost",
+        default="seconds",
+        choices=("seconds", "flops"),
+        help="what to minimise: seconds (measured) or flops (default seconds)",
+    )
 
 
-def check_model_and_cost(args: argparse.Namespace) -> None:
-    """The checks ``plan`` and ``pareto`` share, before anything is traced."""
+def require_model(args: argparse.Namespace) -> None:
+    """``plan`` and ``pareto`` run a model: ``--model`` is required."""
     if not args.model:
         raise InputError("give --model NAME|file.py:factory (see --help)")
-    if args.cost not in ("seconds", "flops"):
-        raise InputError(f"unknown cost {args.cost!r}; accepted: seconds, flops")
 
 
 def compute(args: argparse.Namespace) -> PlanResult:
     require_solvers()
-    from trainledger.remat import parse_budget, plan_and_verify
+    from trainledger.remat import plan_and_verify
 
-    check_model_and_cost(args)
-    if args.solver not in SOLVERS:
-        raise InputError(f"unknown solver {args.solver!r}; accepted: {', '.join(SOLVERS)}")
-    if args.save and not args.save.endswith(".json"):
-        raise InputError(f"plan path {args.save!r} must end in .json")
-    parse_budget(args.budget, 100)  # the syntax, before the step is traced
+    require_model(args)
+    if args.save:
+        check_output_path(args.save, (".json",), what="plan", protect=input_paths(args))
     workload = load_workload(args.model)
     return plan_and_verify(workload, args.budget, solver=args.solver, cost=args.cost, verify=args.verify)
 

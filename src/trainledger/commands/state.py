@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, count_arg, emit
+from trainledger.commands.common import add_json_flag, add_model_flag, count_arg, emit, flags_verb
 from trainledger.declared import OPTIMIZER_ARRAYS, StateSpec
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
@@ -20,7 +20,6 @@ from trainledger.report.terminal import (
     print_renderables,
 )
 from trainledger.state import StateResult, spec_state, workload_state
-from trainledger.units import parse_dtype
 from trainledger.workload import load_workload
 
 
@@ -31,44 +30,57 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Persistent training state of a model (--model) or of a stated format (--params ...).",
     )
     add_model_flag(p)
-    p.add_argument("--no-step", action="store_true", help="inventory the model as built, without one step")
+    p.add_argument(
+        "--no-step", action="store_true", help="with --model: inventory the model as built, without one step"
+    )
     add_spec_flags(p.add_argument_group("a declared format instead of a model"))
     add_json_flag(p)
     p.set_defaults(run=run)
 
 
+DTYPES_HELP = "fp32, bf16, fp16, fp64, fp8 (e4m3, e5m2), int8"
+SPEC_FLAGS = ("weights", "grads", "optimizer", "moments", "master", "frozen_params")
+"""The precision flags of a declared format: defaults ``None`` so that a flag given beside ``--model``
+(which would ignore it) is refused; :class:`StateSpec` supplies the defaults."""
+
+
 def add_spec_flags(group: argparse._ActionsContainer) -> None:
     """The flags of a declared format (``--params`` and each array's precision); ``shard`` uses them too."""
-    group.add_argument("--params", type=count_arg("--params"), help="trainable parameters: 1e9, 7B, 125M")
-    group.add_argument("--weights", default="bf16", help="weight precision (default bf16)")
+    group.add_argument("--params", type=count_arg, help="trainable parameters: 1e9, 7B, 125M")
+    group.add_argument("--weights", default=None, help=f"weight precision: {DTYPES_HELP} (default bf16)")
     group.add_argument("--grads", default=None, help="gradient precision (default: as weights; 'none' to omit)")
-    group.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_ARRAYS)} (default adamw)")
-    group.add_argument("--moments", default="fp32", help="optimizer state precision (default fp32)")
-    group.add_argument("--master", default=None, help="precision of a master copy of the weights (e.g. fp32)")
-    group.add_argument("--frozen-params", type=count_arg("--frozen-params"), default=0, help="frozen weights")
+    group.add_argument("--optimizer", default=None, help=f"one of {', '.join(OPTIMIZER_ARRAYS)} (default adamw)")
+    group.add_argument("--moments", default=None, help=f"optimizer state precision: {DTYPES_HELP} (default fp32)")
+    group.add_argument("--master", default=None, help="precision of a master copy of the weights (default none)")
+    group.add_argument("--frozen-params", type=count_arg, default=None, help="frozen weights (default 0)")
+
+
+def spec_flags_given(args: argparse.Namespace) -> list[str]:
+    """The declared-format flags the user gave (as ``--flag``)."""
+    return ["--" + k.replace("_", "-") for k in SPEC_FLAGS if getattr(args, k) is not None]
 
 
 def spec_from_args(args: argparse.Namespace) -> StateSpec:
-    """The :class:`StateSpec` the flags of :func:`add_spec_flags` describe."""
-    grads = args.grads if args.grads in (None, "none") else parse_dtype(args.grads)
-    return StateSpec(
-        num_params=args.params,
-        weights=args.weights,
-        grads=grads,
-        optimizer=args.optimizer,
-        moments=args.moments,
-        master=args.master,
-        frozen_params=args.frozen_params,
-    )
+    """The :class:`StateSpec` the flags of :func:`add_spec_flags` describe (unset flags take its defaults)."""
+    given = {k: getattr(args, k) for k in SPEC_FLAGS if getattr(args, k) is not None}
+    return StateSpec(num_params=args.params, **given)
 
 
 def compute(args: argparse.Namespace) -> StateResult:
     if args.model and args.params:
         raise InputError("give either --model or --params, not both")
     if args.model:
+        ignored = spec_flags_given(args)
+        if ignored:
+            raise InputError(
+                f"{flags_verb(ignored, 'applies', 'apply')} only to a declared format (--params); "
+                f"--model {args.model} is inventoried in its own precisions: drop them"
+            )
         return workload_state(load_workload(args.model), take_step=not args.no_step)
     if not args.params:
         raise InputError("give --model NAME|file.py:factory, or --params N with the formats (see --help)")
+    if args.no_step:
+        raise InputError("--no-step applies to --model (a declared format takes no step): drop it")
     return spec_state(spec_from_args(args))
 
 

@@ -10,7 +10,15 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
+from trainledger.commands.common import (
+    add_json_flag,
+    add_model_flag,
+    flags_verb,
+    input_paths,
+    positive_int,
+    print_json,
+)
+from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
@@ -37,18 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_flag(p)
     hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
     hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
-    hf.add_argument("--micro-batch", type=positive_int("--micro-batch"), default=1, help="sequences (default 1)")
-    hf.add_argument(
-        "--seq-len", type=positive_int("--seq-len"), default=2048, help="tokens per sequence (default 2048)"
-    )
-    hf.add_argument("--dtype", default="bf16-master", metavar="RECIPE", help="bf16-master (default), bf16 or fp32")
-    hf.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, sgd-momentum")
-    hf.add_argument("--attn", default="sdpa", metavar="IMPL", help="attention implementation: sdpa or eager")
-    hf.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (frozen base); 0 trains every weight")
-    hf.add_argument("--lora-targets", default=None, help="comma-separated linears to adapt (default q_proj,v_proj)")
-    hf.add_argument("--reference", action="store_true", help="a frozen reference model and the DPO loss")
+    add_step_flags(hf, unset=True)
     sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
-    sh.add_argument("--world", type=positive_int("--world"), default=1, help="data-parallel ranks (default 1)")
+    sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
     sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
     p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
@@ -63,23 +62,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def workload_for(args: argparse.Namespace) -> Workload:
     if args.model and args.hf_config:
         raise InputError("give either --model or --hf-config, not both")
+    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
     if args.hf_config:
         from trainledger.hf import workload_from_hf_config
 
+        step = {**STEP_DEFAULTS, **given}
+        check_lora_flags(argparse.Namespace(**step))
         return workload_from_hf_config(
             args.hf_config,
-            micro_batch=args.micro_batch,
-            seq_len=args.seq_len,
-            recipe=args.dtype,
-            optimizer=args.optimizer,
-            attn_impl=args.attn,
-            lora_rank=args.lora_rank,
-            lora_targets=[t for t in (args.lora_targets or "").split(",") if t] or None,
-            reference=args.reference,
+            micro_batch=step["micro_batch"],
+            seq_len=step["seq_len"],
+            recipe=step["dtype"],
+            optimizer=step["optimizer"],
+            attn_impl=step["attn"],
+            lora_rank=step["lora_rank"],
+            lora_targets=[t for t in (step["lora_targets"] or "").split(",") if t] or None,
+            reference=step["reference"],
             fake=args.fake,
         )
     if not args.model:
         raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
+    if given:
+        flags = flags_verb(["--" + k.replace("_", "-") for k in given], "applies", "apply")
+        raise InputError(
+            f"{flags} only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
+            "and batch: drop them"
+        )
     return load_workload(args.model)
 
 
@@ -169,14 +177,8 @@ def _check_outputs(args: argparse.Namespace) -> ExportPaths:
         memory_viz=args.export_memory_viz,
         perfetto=args.export_perfetto,
         ledger_json=args.export_json,
-        protect=_inputs(args),
+        protect=input_paths(args),
     )
-
-
-def _inputs(args: argparse.Namespace) -> list[str]:
-    spec = getattr(args, "model", None) or ""
-    given = [spec.rpartition(":")[0]] if ":" in spec else []
-    return given + ([args.hf_config] if getattr(args, "hf_config", None) else [])
 
 
 @contextmanager

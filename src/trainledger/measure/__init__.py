@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from trainledger.checks import whole_number
 from trainledger.ledger import Evidence, Ledger
 from trainledger.trace import trace
-from trainledger.workload import Workload, quiet_gc, run_step
+from trainledger.workload import Workload, quiet_gc, require_workload, run_step
 
 __all__ = ["Measurement", "measure"]
 
@@ -93,6 +94,8 @@ def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
         workload: the step's ingredients (its model runs for real: not fake).
         num_steps: plain steps timed for the median step time.
     """
+    require_workload(workload, "measure")
+    whole_number(num_steps, "number of timed steps")
     device = _device_of(workload)
     before = _snapshot(workload)
     ledger = trace(workload)  # a warm-up step, then the traced step

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from trainledger.errors import InputError
+from trainledger.checks import MAX_BUDGETS, one_of, positive_number, whole_number
 from trainledger.remat.candidates import CostKind
 from trainledger.remat.planner import Planner
 from trainledger.remat.solvers import NoPlan, Solution, solve_greedy, solve_milp, sqrt_n_choice
-from trainledger.workload import Workload
+from trainledger.workload import Workload, require_workload
 
 PARETO_SCHEMA = "trainledger.remat-pareto/1"
 
@@ -144,8 +144,12 @@ def pareto(
         >>> all(row.ours.peak_bytes <= row.budget_bytes for row in r.rows)
         True
     """
-    if num_budgets < 2:
-        raise InputError(f"--budgets {num_budgets} is too few; give at least 2 (the plain peak and the floor)")
+    require_workload(workload, "pareto")
+    whole_number(
+        num_budgets, "number of budgets", minimum=2, limit=MAX_BUDGETS, minimum_why="the plain peak and the floor"
+    )
+    one_of(cost, "cost", ("seconds", "flops"))
+    positive_number(time_limit_s, "time limit", unit="seconds")
     planner = Planner.build(workload, cost=cost)
     budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
     rows = []

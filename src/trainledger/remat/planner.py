@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from trainledger.checks import one_of, positive_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.remat._plan import Plan, structure_fingerprint
@@ -25,8 +26,10 @@ from trainledger.remat.candidates import (
 )
 from trainledger.remat.solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
 from trainledger.units import format_bytes, parse_size
-from trainledger.workload import Workload
+from trainledger.workload import Workload, require_workload
 
+_FIXED_PLANS = ("sqrt-n", "uniform")
+"""Solvers whose plan does not depend on the budget (baselines): asked for, they are given."""
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
@@ -141,6 +144,11 @@ class Planner:
         if solver not in SOLVERS:
             raise InputError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
         budget_bytes = parse_budget(budget, self.plain_peak_bytes)
+        if budget_bytes >= self.plain_peak_bytes and solver not in _FIXED_PLANS:
+            # the cheapest plan within a budget the plain step already meets recomputes nothing
+            note = "the budget is at or above the plain step's traced peak: nothing to recompute"
+            sol = Solution((), self.plain_peak_bytes, 0.0, solver, optimal=True, gap=0.0, notes=(note,))
+            return self.to_plan(sol, budget_bytes=budget_bytes)
         try:
             sol = solve(
                 self.model,
@@ -227,7 +235,22 @@ def plan(
         >>> p.predicted_peak_bytes <= p.budget_bytes
         True
     """
+    check_plan_arguments(workload, budget, solver=solver, cost=cost, time_limit_s=time_limit_s, caller="plan")
     return Planner.build(workload, cost=cost).solve(budget, solver=solver, time_limit_s=time_limit_s)
+
+
+def check_plan_arguments(workload: Any, budget: Any, *, solver: Any, cost: Any, time_limit_s: Any, caller: str) -> None:
+    """The checks of :func:`plan` and :func:`plan_and_verify`, made before anything is traced."""
+    require_workload(workload, caller)
+    if isinstance(budget, bool) or not isinstance(budget, (str, int)):
+        raise InputError(
+            f"budget {budget!r} is a {type(budget).__name__}; give a percentage of the plain peak ('60%') "
+            "or a size ('2GiB', or bytes as an int)"
+        )
+    parse_budget(budget, 100)  # its syntax, before the step is traced
+    one_of(solver, "solver", SOLVERS)
+    one_of(cost, "cost", ("seconds", "flops"))
+    positive_number(time_limit_s, "time limit", unit="seconds")
 
 
 def describe(plan_: Plan) -> dict[str, Any]:
@@ -274,6 +297,9 @@ def plan_and_verify(
     """:func:`plan`, then (``verify=True``) apply it, trace the step again, compare gradients and time it."""
     from trainledger.remat.candidates import iter_candidate_rows
 
+    check_plan_arguments(
+        workload, budget, solver=solver, cost=cost, time_limit_s=time_limit_s, caller="plan_and_verify"
+    )
     planner = Planner.build(workload, cost=cost)
     p = planner.solve(budget, solver=solver, time_limit_s=time_limit_s)
     verification = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
+from trainledger.checks import positive_number
 from trainledger.errors import InputError
 
 Kind = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
@@ -120,8 +121,7 @@ def estimate_time(
         >>> round(t.total_seconds, 3), round(t.exposed_seconds, 3)
         (1.0, 1.0)
     """
-    if not link_gbps > 0:
-        raise InputError(f"--link-gbps {link_gbps} must be a positive bandwidth in gigabits per second")
+    positive_number(link_gbps, "link bandwidth", unit="gigabits per second")
     bytes_per_second = link_gbps * 1e9 / 8
 
     def seconds(c: Collective) -> float:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainledger.checks import instance_of, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view
@@ -79,24 +80,24 @@ class RunConfig:
     """Trace each rank's step (off: only time it and count its collectives)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise InputError(f"--world {self.world_size} must be a whole number of ranks, at least 1")
+        instance_of(self.model, str, "the model to run", "give a built-in example's name or 'path/to/file.py:factory'")
+        whole_number(self.world_size, "world size (ranks)")
         if self.strategy not in RUN_STRATEGIES:
             raise InputError(
-                f"--run supports stages 0, 1, 2, 3 (DDP, ZeroRedundancyOptimizer, FSDP2); got {self.strategy!r}"
+                f"a real run supports stages 0, 1, 2, 3 (DDP, ZeroRedundancyOptimizer, FSDP2); got {self.strategy!r}"
             )
-        if self.backend not in ("gloo", "nccl"):
-            raise InputError(f"backend {self.backend!r} is not supported; use gloo (CPU) or nccl (GPUs)")
+        one_of(self.backend, "backend", ("gloo", "nccl"))
         limit = max_ranks(self.backend)
         if self.world_size > limit:
             raise InputError(
-                f"--world {self.world_size} is more ranks than this machine can run with {self.backend} "
+                f"world size {self.world_size} is more ranks than this machine can run with {self.backend} "
                 f"(at most {limit}: "
                 + (f"{RANKS_PER_CPU} per CPU core" if self.backend == "gloo" else "one per GPU")
-                + "); lower --world, or predict without --run"
+                + "); lower the world size, or predict the sharding instead of running it"
             )
-        if not self.timeout_seconds > 0:
-            raise InputError(f"timeout {self.timeout_seconds} must be positive seconds")
+        positive_number(self.timeout_seconds, "timeout", unit="seconds")
+        if not isinstance(self.trace, bool):
+            raise InputError(f"trace {self.trace!r} must be True or False")
 
 
 def max_ranks(backend: str) -> int:
@@ -471,7 +472,7 @@ def _wrap(workload: Any, strategy: str) -> None:
     optimizer = workload.optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
         raise InputError(
-            "the workload holds an optimizer instance; for --run give Workload(optimizer=factory) so each "
+            "the workload holds an optimizer instance; for a real run give Workload(optimizer=factory) so each "
             "rank can build it over its sharded parameters"
         )
     factory = optimizer or torch.optim.AdamW

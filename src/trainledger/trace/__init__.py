@@ -22,7 +22,7 @@ from trainledger.ledger import Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
-from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
+from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
 
 __all__ = ["trace"]
 
@@ -52,6 +52,11 @@ def trace(workload: Workload, *, fake: bool = False, progress: ProgressFn | None
     Returns:
         The traced ledger; ``meta`` holds the model name, events per phase and the traced step's time.
     """
+    require_workload(workload, "trace")
+    if not isinstance(fake, bool):
+        raise InputError(f"trace(fake=...) is {fake!r}; give True or False")
+    if progress is not None and not callable(progress):
+        raise InputError(f"trace(progress=...) is {progress!r}; give None or a function progress(phase, num_events)")
     if fake:
         with fake_workload(workload) as (twin, mode), mode:
             try:
