@@ -44,21 +44,24 @@ def test_traced_model_prediction(cli_json):
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["shard", "--params", "1e9", "--world", "0"], "--world 0 must be at least 1"),
-        (["shard", "--params", "1e9", "--world", "two"], "--world 'two' is not a whole number"),
+        (["shard", "--params", "1e9", "--world", "0"], "--world: 0 must be at least 1"),
+        (["shard", "--params", "1e9", "--world", "two"], "--world: 'two' is not a whole number"),
         (["shard", "--params", "1e9", "--stage", "5"], "unknown stage '5'"),
-        (["shard", "--params", "1e9", "--stage", "hybrid_shard", "--world", "6", "--nodes", "4"], "--nodes 4"),
-        (["shard", "--params", "1e9", "--link-gbps", "0"], "--link-gbps 0"),
-        (["shard", "--params", "1e9", "--prefetch", "-1"], "--prefetch -1"),
+        (
+            ["shard", "--params", "1e9", "--stage", "hybrid_shard", "--world", "6", "--nodes", "4"],
+            "4 nodes do not divide the world of 6 ranks",
+        ),
+        (["shard", "--params", "1e9", "--link-gbps", "0"], "--link-gbps: '0' is not a number above 0"),
+        (["shard", "--params", "1e9", "--prefetch", "-1"], "--prefetch: -1 must be at least 0"),
         (["shard", "--params", "1e9", "--weights", "fp12"], "unknown dtype 'fp12'"),
         (["shard"], "give --model"),
         (["shard", "--params", "1e9", "--model", "mlp"], "not both"),
         (["shard", "--params", "1e9", "--run"], "--run needs --model"),
         (["shard", "--model", "mlp", "--run", "--world", "100000"], "more ranks than this machine can run"),
         (["shard", "--model", "mlp", "--run", "--stage", "all"], "not 'all'"),
-        (["shard", "--model", "mlp", "--run", "--stage", "full_shard"], "--run supports stages 0, 1, 2, 3"),
+        (["shard", "--model", "mlp", "--run", "--stage", "full_shard"], "a real run supports stages 0, 1, 2, 3"),
         (["shard", "--model", "nope", "--run"], "unknown model 'nope'"),
-        (["shard", "--model", "mlp", "--run", "--timeout", "0"], "timeout 0"),
+        (["shard", "--model", "mlp", "--run", "--timeout", "0"], "--timeout: '0' is not a number above 0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(cli, argv, fragment):

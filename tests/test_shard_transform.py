@@ -90,10 +90,10 @@ def test_infer_units_and_parse_strategy():
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"world_size": 0}, "--world 0"),
+        ({"world_size": 0}, "world size \\(ranks\\) 0 must be at least 1"),
         ({"world_size": 4, "strategy": "zero9"}, "unknown strategy"),
         ({"world_size": 4, "engine": "megatron"}, "unknown engine"),
-        ({"world_size": 6, "strategy": "hybrid_shard", "num_nodes": 4}, "--nodes 4"),
+        ({"world_size": 6, "strategy": "hybrid_shard", "num_nodes": 4}, "4 nodes do not divide the world of 6"),
         ({"world_size": 2, "backward_prefetch": -1}, "prefetch"),
     ],
 )
@@ -268,7 +268,7 @@ def test_time_estimate_and_exposure():
     # forward: first gather 0.5 s + the rest (0.5 s) beyond 0.1 s of compute = 0.9 s; backward all 1 s
     assert slow.exposed_seconds == pytest.approx(1.9)
     assert estimate_time(cs, link_gbps=8.0).exposed_seconds == pytest.approx(2.0)
-    with pytest.raises(InputError, match="--link-gbps"):
+    with pytest.raises(InputError, match="link bandwidth 0 must be a finite number above 0"):
         estimate_time(cs, link_gbps=0)
 
 

@@ -12,7 +12,15 @@ from rich.table import Table
 from rich.text import Text
 
 from trainledger.commands import state as state_cmd
-from trainledger.commands.common import add_json_flag, add_model_flag, emit, positive_int, print_json
+from trainledger.commands.common import (
+    add_json_flag,
+    add_model_flag,
+    emit,
+    flags_verb,
+    positive_float,
+    positive_int,
+    print_json,
+)
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
     UNITS_NOTE,
@@ -36,30 +44,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "a traced model (--model), or a real multi-process run (--model ... --run).",
     )
     add_model_flag(p)
-    p.add_argument("--world", type=positive_int("--world"), default=2, help="number of ranks (default 2)")
+    p.add_argument("--world", type=positive_int(), default=2, help="number of ranks (default 2)")
     p.add_argument(
         "--stage",
         default="3",
         help="ZeRO stage 0, 1, 2, 3, or full_shard, shard_grad_op, hybrid_shard, or 'all' (default 3)",
     )
-    p.add_argument("--nodes", type=positive_int("--nodes"), default=1, help="hybrid_shard: number of nodes")
+    p.add_argument(
+        "--nodes", type=positive_int(), default=None, help="with --stage hybrid_shard: number of nodes (default 1)"
+    )
     p.add_argument(
         "--engine",
         choices=ENGINES,
         default=None,
         help="padding and buffers of deepspeed or torch (default: deepspeed for --params, torch for --model)",
     )
-    p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead in backward (default 1)")
-    p.add_argument("--link-gbps", type=float, default=None, help="link bandwidth (Gbit/s) to estimate time")
+    p.add_argument(
+        "--prefetch",
+        type=positive_int(minimum=0),
+        default=None,
+        help="with a traced --model: units gathered ahead in backward (default 1)",
+    )
+    p.add_argument("--link-gbps", type=positive_float, default=None, help="link bandwidth (Gbit/s) to estimate time")
     p.add_argument(
         "--run", dest="run_ranks", action="store_true", help="run the ranks on torch.distributed and trace each"
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="--run: seconds before every rank is stopped")
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help=f"with --run: seconds before every rank is stopped (default {RUN_TIMEOUT_SECONDS:g})",
+    )
     p.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
-        default="gloo",
-        help="--run: gloo on CPU (default) or nccl, one GPU a rank",
+        default=None,
+        help="with --run: gloo on CPU (default) or nccl, one GPU a rank",
     )
     state_cmd.add_spec_flags(p.add_argument_group("a declared format instead of a model (as `trainledger state`)"))
     add_json_flag(p)
@@ -83,7 +103,10 @@ class ShardReport:
                 "strategy": r.config.strategy,
                 "label": r.label,
                 "model_state_bytes_per_rank": r.model_state_bytes(),
-                "peak_bytes_per_rank": [led.peak().bytes for led in r.ranks],
+                "peak_bytes_per_rank": [
+                    {"first_rank": first, "last_rank": last, "num_ranks": count, "bytes": led.peak().bytes}
+                    for first, last, count, led in r.rank_classes()
+                ],
                 "collective_wire_bytes_per_rank": sum(c.wire_bytes for c in r.collectives),
                 "comm_seconds": t.total_seconds if t else None,
                 "exposed_comm_seconds": t.exposed_seconds if t else None,
@@ -94,12 +117,44 @@ class ShardReport:
         return out
 
 
-def compute(args: argparse.Namespace) -> ShardReport:
+RUN_TIMEOUT_SECONDS = 300.0
+RUN_ONLY = ("timeout", "backend")
+"""Flags of a real run: refused without ``--run``, which alone uses them."""
+PREDICTION_ONLY = ("engine", "prefetch", "link_gbps", "nodes")
+"""Flags of the prediction: refused with ``--run``, which runs PyTorch's own engines as they are."""
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None]
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that would be ignored, naming them: each applies to one way of running ``shard``."""
     if args.model and args.params:
         raise InputError("give either --model or --params, not both")
+    if args.model and state_cmd.spec_flags_given(args):
+        flags = flags_verb(state_cmd.spec_flags_given(args), "applies", "apply")
+        raise InputError(f"{flags} only to a declared format (--params); --model is traced as it is: drop them")
+    if args.run_ranks:
+        if _given(args, PREDICTION_ONLY):
+            flags = flags_verb(_given(args, PREDICTION_ONLY), "shapes", "shape")
+            raise InputError(f"{flags} the prediction; --run runs PyTorch's own engines: drop them")
+    elif _given(args, RUN_ONLY):
+        raise InputError(
+            f"{flags_verb(_given(args, RUN_ONLY), 'applies', 'apply')} only with --run: add it or drop them"
+        )
+    if args.nodes is not None and args.stage.strip().lower().replace("-", "_") != "hybrid_shard":
+        raise InputError(
+            f"--nodes {args.nodes} plays a part only with --stage hybrid_shard (shard within a node, replicate "
+            "across nodes): drop it or use that stage"
+        )
+    if args.prefetch is not None and not args.model:
+        raise InputError("--prefetch applies to a traced --model (a declared format has no timeline): drop it")
+
+
+def compute(args: argparse.Namespace) -> ShardReport:
+    check_flags(args)
     stages = ["zero0", "zero1", "zero2", "zero3"] if args.stage == "all" else [parse_strategy(args.stage)]
-    if args.prefetch < 0:
-        raise InputError(f"--prefetch {args.prefetch} must be 0 or more units")
     compute_seconds = None
     fsdp_facts: dict[str, Any] = {}
     if args.model:
@@ -125,8 +180,8 @@ def compute(args: argparse.Namespace) -> ShardReport:
             world_size=args.world,
             strategy=strategy,
             engine=engine,
-            num_nodes=args.nodes,
-            backward_prefetch=args.prefetch,
+            num_nodes=args.nodes or 1,
+            backward_prefetch=1 if args.prefetch is None else args.prefetch,
             **fsdp_facts,
         )
         res = shard(ledger, config)
@@ -151,8 +206,6 @@ def _phase_seconds(workload: Any) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.link_gbps is not None and not args.link_gbps > 0:
-        raise InputError(f"--link-gbps {args.link_gbps} must be a positive bandwidth in gigabits per second")
     if args.run_ranks:
         return _run_for_real(args)
     return emit(compute(args), render, as_json=args.json)
@@ -209,26 +262,37 @@ def _gb(nbytes: int) -> str:
 
 
 def _ranks_text(res: ShardResult) -> Text:
-    peaks = [led.peak() for led in res.ranks]
+    """One line per class of identical ranks (uneven partitions make the last ranks differ)."""
+    classes = res.rank_classes()
     single = res.source.num_events == 1 and res.source.events[0].phase == "state"
     what = "model states" if single else "predicted peak"
     lines = []
-    for r, pk in enumerate(peaks[:8]):
+    for first, last, count, led in classes[:8]:
+        pk = led.peak()
         where = "" if single else f" at event {pk.event} ({pk.phase}, {pk.op})"
-        lines.append(f"rank {r}: {what} {pk.bytes:,} bytes ({both_units(pk.bytes)}){where}")
-    if len(peaks) > 8:
-        lines.append(f"… {len(peaks) - 8} more ranks (largest {max(p.bytes for p in peaks):,} bytes)")
+        who = f"rank {first}" if count == 1 else f"ranks {first:,}-{last:,} ({count:,} ranks, identical)"
+        if count > 1 and last - first + 1 != count:
+            who = f"ranks {first:,}-{last:,} of each shard group ({count:,} ranks, identical)"
+        lines.append(f"{who}: {what} {pk.bytes:,} bytes ({both_units(pk.bytes)}){where}")
+    if len(classes) > 8:
+        largest = max(led.peak().bytes for *_, led in classes)
+        lines.append(f"… {len(classes) - 8} more classes of ranks (largest {largest:,} bytes)")
     return Text("\n".join(lines))
 
 
 def _collectives_table(res: ShardResult, t: CommTime | None) -> Table:
     table = Table(title="collectives per rank per step", title_justify="left")
-    for col in ("kind", "phase", "moves", "calls", "payload", "sent per rank"):
-        table.add_column(col, justify="right" if col in ("calls", "payload", "sent per rank") else "left")
+    numeric = ("calls", "payload bytes", "wire bytes sent")
+    for col in ("kind", "phase", "moves", *numeric):
+        table.add_column(col, justify="right" if col in numeric else "left")
     for c in res.collectives[:40]:
         table.add_row(c.kind, c.phase, c.label, str(c.num_calls), f"{c.payload_bytes:,}", f"{c.wire_bytes:,}")
     total = sum(c.wire_bytes for c in res.collectives)
-    caption = f"sent per rank in all: {total:,} bytes ({both_units(total)}), ring algorithms"
+    caption = (
+        "payload bytes: what each call is handed (all-gather: its output, reduce-scatter: its input); "
+        f"wire bytes: what a rank sends over the link with ring algorithms, in all {total:,} bytes "
+        f"({both_units(total)})"
+    )
     if t is not None:
         caption += (
             f"; at {t.link_gbps:g} Gbit/s: {t.total_seconds:.4g} s, not hidden behind compute "
@@ -243,11 +307,16 @@ def _run_for_real(args: argparse.Namespace) -> int:
 
     if not args.model:
         raise InputError("--run needs --model NAME|file.py:factory (a declared format has nothing to run)")
+    check_flags(args)
     strategy = parse_strategy(args.stage) if args.stage != "all" else None
     if strategy is None:
         raise InputError("--run takes one --stage (0, 1, 2 or 3), not 'all'")
     config = RunConfig(
-        model=args.model, world_size=args.world, strategy=strategy, backend=args.backend, timeout_seconds=args.timeout
+        model=args.model,
+        world_size=args.world,
+        strategy=strategy,
+        backend=args.backend or "gloo",
+        timeout_seconds=args.timeout or RUN_TIMEOUT_SECONDS,
     )
     result = run(config)
     d = result.to_dict()
@@ -258,7 +327,7 @@ def _run_for_real(args: argparse.Namespace) -> int:
         title=f"{args.model}, {args.world} ranks, {result.prediction.label}, {result.config.backend}",
         title_justify="left",
     )
-    for col in ("rank", "predicted peak", "traced peak", "error", "collective bytes", "wait", "step"):
+    for col in ("rank", "predicted peak", "traced peak", "error", "collective payload bytes", "wait", "step"):
         table.add_column(col, justify="right")
     for r in d["ranks"]:
         err = r["relative_error"]
@@ -273,7 +342,8 @@ def _run_for_real(args: argparse.Namespace) -> int:
         )
     predicted = sum(c.payload_bytes for c in result.prediction.collectives)
     table.caption = (
-        f"collective bytes: payload counted at every c10d call of one step (predicted {predicted:,}); "
+        f"collective payload bytes: what each c10d call of one step is handed, counted (predicted {predicted:,}; "
+        "not wire bytes, which `shard` without --run reports beside them); "
         "wait: time inside collectives and waiting on them; step: one untraced step"
     )
     print_renderables(table, notes_text([*result.notes, UNITS_NOTE]), console=make_console())

@@ -24,7 +24,8 @@ def both_units(nbytes: int) -> str:
 def category_table(ledger: Ledger, *, title: str = "") -> Table:
     """Rows grouped by category, role and dtype, with element counts, bytes and evidence; totals below."""
     table = Table(title=title or None, title_justify="left", show_footer=True)
-    table.add_column("category", footer="total")
+    single_instant = ledger.num_events <= 1
+    table.add_column("category", footer="total" if single_instant else "all arrays")
     table.add_column("role")
     table.add_column("dtype")
     table.add_column("arrays", justify="right")
@@ -53,6 +54,11 @@ def category_table(ledger: Ledger, *, title: str = "") -> Table:
             f"{nbytes:,}",
             both_units(nbytes),
             ", ".join(sorted(evid[key])),
+        )
+    if not single_instant:
+        table.caption = (
+            "all arrays: every array of the step summed, whenever it lived; they are never all live at once, "
+            "so this is more than the peak (see the peak below)"
         )
     return table
 

@@ -34,16 +34,19 @@ threshold and live-parameter limit (stage 3) are not modelled.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
+from trainledger.checks import instance_of, one_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
-from trainledger.shard._partition import greedy_owners, shard_rows
+from trainledger.shard._partition import greedy_owners, rank_boundaries, shard_rows
 from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
 from trainledger.units import dtype_bytes
 
@@ -114,21 +117,21 @@ class ShardConfig:
     """FSDP on gloo: the reduce-scatter works on a full-size copy of its input while it runs."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise InputError(f"--world {self.world_size} must be a whole number of ranks, at least 1")
-        if self.strategy not in STRATEGIES:
-            raise InputError(f"unknown strategy {self.strategy!r}; accepted: {', '.join(STRATEGIES)}")
-        if self.engine not in ENGINES:
-            raise InputError(f"unknown engine {self.engine!r}; accepted: {', '.join(ENGINES)}")
-        if self.num_nodes < 1 or self.world_size % self.num_nodes:
+        whole_number(self.world_size, "world size (ranks)")
+        one_of(self.strategy, "strategy", STRATEGIES)
+        one_of(self.engine, "engine", ENGINES)
+        whole_number(self.num_nodes, "number of nodes")
+        if self.world_size % self.num_nodes:
             raise InputError(
-                f"--nodes {self.num_nodes} must be at least 1 and divide --world {self.world_size} "
+                f"{self.num_nodes} nodes do not divide the world of {self.world_size} ranks "
                 "(hybrid sharding shards within each node and replicates across nodes)"
             )
-        if self.forward_prefetch < 0 or self.backward_prefetch < 0:
-            raise InputError("prefetch depths must be 0 or more units")
-        if self.reduce_bucket_numel < 1 or self.ddp_bucket_bytes < 1:
-            raise InputError("bucket sizes must be positive")
+        whole_number(self.forward_prefetch, "forward prefetch depth (units)", minimum=0)
+        whole_number(self.backward_prefetch, "backward prefetch depth (units)", minimum=0)
+        whole_number(self.reduce_bucket_numel, "reduce bucket size (elements)")
+        whole_number(self.ddp_bucket_bytes, "DDP bucket size (bytes)")
+        if self.units is not None and not all(isinstance(u, str) for u in self.units):
+            raise InputError(f"units {self.units!r} must be module paths (str), e.g. ('blocks.0', 'blocks.1')")
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,48 @@ def unit_of(name: str, units: Sequence[str]) -> str:
 # --- the transform -------------------------------------------------------------------------------------
 
 
+class RankLedgers(Sequence[Ledger]):
+    """Every rank's ledger, computed once per class of identical ranks.
+
+    Ranks differ only where a partition is uneven (the last ranks hold fewer real elements, possibly
+    none) or where whole parameters are assigned to ranks; all the others hold the same. So the work
+    and memory of a transform grow with the number of *distinct* ranks (a few per parameter shape at
+    most), never with the world size: ``ranks[r]`` is the ledger of ``r``'s class, ``len(ranks)`` the
+    world size, and :meth:`classes` lists each class once.
+    """
+
+    def __init__(self, world_size: int, group_size: int, starts: Sequence[int], ledgers: Sequence[Ledger]) -> None:
+        self.world_size, self.group_size = world_size, group_size
+        self.starts, self.ledgers = tuple(starts), tuple(ledgers)
+        """``starts[k]``: the first rank (within a shard group of ``group_size``) of class ``k``."""
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    @overload
+    def __getitem__(self, index: int) -> Ledger: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Ledger]: ...
+    def __getitem__(self, index: int | slice) -> Ledger | list[Ledger]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(self.world_size)[index]]
+        if index < 0:
+            index += self.world_size
+        if not 0 <= index < self.world_size:
+            raise IndexError(f"rank {index} out of range for {self.world_size} ranks")
+        return self.ledgers[bisect.bisect_right(self.starts, index % self.group_size) - 1]
+
+    def classes(self) -> list[tuple[int, int, int, Ledger]]:
+        """``(first rank, last rank, number of ranks, ledger)`` per class; first and last are within the
+        first shard group (hybrid sharding repeats the classes in every group)."""
+        ends = [*self.starts[1:], self.group_size]
+        replicas = self.world_size // self.group_size
+        return [
+            (first, end - 1, (end - first) * replicas, led)
+            for first, end, led in zip(self.starts, ends, self.ledgers, strict=True)
+        ]
+
+
 @dataclass(frozen=True)
 class ShardResult:
     """Per-rank ledgers and the collectives of one sharded step."""
@@ -232,11 +277,18 @@ class ShardResult:
     config: ShardConfig
     label: str
     source: Ledger
-    ranks: tuple[Ledger, ...]
+    ranks: Sequence[Ledger]
+    """Every rank's ledger (a :class:`RankLedgers`: identical ranks share one)."""
     collectives: tuple[Collective, ...]
     """Per rank (every rank runs the same collectives)."""
     units: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+
+    def rank_classes(self) -> list[tuple[int, int, int, Ledger]]:
+        """``(first rank, last rank, number of ranks, ledger)`` for each class of identical ranks."""
+        if isinstance(self.ranks, RankLedgers):
+            return self.ranks.classes()
+        return [(r, r, 1, led) for r, led in enumerate(self.ranks)]
 
     def model_state_bytes(self, rank: int = 0) -> int:
         """Weights, frozen weights, gradients and optimizer state held on ``rank``, persistent ones only
@@ -260,13 +312,15 @@ class ShardResult:
         }
         out["ranks"] = [
             {
-                "rank": r,
+                "rank": first,
+                "last_rank": last,
+                "num_ranks": count,
                 "predicted_peak_bytes": led.peak().bytes,
-                "model_state_bytes": self.model_state_bytes(r),
+                "model_state_bytes": self.model_state_bytes(first),
                 "peak": led.to_dict(entries=False)["peak"],
                 "by_category": {k[0]: v for k, v in led.bytes_by("category").items()},
             }
-            for r, led in enumerate(self.ranks)
+            for first, last, count, led in self.rank_classes()
         ]
         out["collectives"] = [
             {
@@ -307,10 +361,15 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
         >>> [shard(led, world_size=64, strategy=f"zero{s}").model_state_bytes() for s in range(4)]
         [120000000000, 31406250000, 16640625000, 1875000000]
     """
+    instance_of(
+        ledger, Ledger, "shard()'s ledger", "give a trainledger.Ledger (from trace, inventory or a declared format)"
+    )
     if config is None:
         config = ShardConfig(**kwargs)
-    elif kwargs:
-        config = replace(config, **kwargs)
+    else:
+        instance_of(config, ShardConfig, "shard()'s config", "give a trainledger.ShardConfig or its fields as keywords")
+        if kwargs:
+            config = replace(config, **kwargs)
     plan = plan_for(config)
     params = [e for e in ledger.entries if e.category == Category.WEIGHTS or _shardable_frozen(e)]
     names = [e.name for e in params]
@@ -320,7 +379,13 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
         single = ledger.with_entries(ledger.entries, notes=(*ledger.notes, note), meta={**ledger.meta, "rank": 0})
         return ShardResult(config, plan.label, ledger, (single,), (), tuple(units), (note,))
     ctx = _Context(ledger, config, plan, units)
-    ranks = tuple(ctx.rank_ledger(r) for r in range(config.world_size))
+    starts = ctx.rank_classes()
+    ranks = RankLedgers(config.world_size, plan.shard_size, starts, [ctx.rank_ledger(r) for r in starts])
+    if len(starts) < config.world_size:
+        ctx.notes.append(
+            f"{len(starts)} distinct rank(s) of {config.world_size:,} computed; the others hold exactly what "
+            "the first rank of their class holds (even partitions make ranks identical)"
+        )
     collectives = tuple(ctx.collectives())
     return ShardResult(config, plan.label, ledger, ranks, collectives, tuple(units), tuple(dict.fromkeys(ctx.notes)))
 
@@ -339,6 +404,8 @@ class _Context:
     def __init__(self, ledger: Ledger, config: ShardConfig, plan: _Plan, units: Sequence[str]) -> None:
         self.ledger, self.config, self.plan, self.units = ledger, config, plan, tuple(units)
         self.notes: list[str] = []
+        self.class_end: dict[int, int] = {}
+        """First rank of a class of identical ranks -> one past its last (see :meth:`rank_classes`)."""
         self.traced = ledger.num_events > 1 or ledger.events[0].phase != "state"
         self.params = [e for e in ledger.entries if e.category == Category.WEIGHTS or _shardable_frozen(e)]
         self.param_by_name: dict[str, Entry] = {}
@@ -381,6 +448,38 @@ class _Context:
         for p in self.params:
             out[unit_of(p.name, self.units)].append(p)
         return {u: ps for u, ps in out.items() if ps}
+
+    def rank_classes(self) -> tuple[int, ...]:
+        """The first rank of each class of identical ranks within a shard group, in order (0 first).
+
+        A rank's ledger depends on its rank only through :func:`shard_rows` of each array (uneven
+        partitions) and, for whole-parameter partitions, the parameters it owns: the boundaries of both
+        are found without visiting every rank.
+        """
+        n, plan = self.plan.shard_size, self.plan
+        starts = {0}
+        if not (plan.shard_optimizer or plan.shard_grads or plan.shard_params):  # plain data parallelism
+            self.class_end = {0: n}
+            return (0,)
+        unmatched = [
+            e
+            for e in self.ledger.entries
+            if e.category in (Category.OPTIMIZER, Category.GRADIENTS) and self.param_of(e) is None
+        ]
+        for e in (*self.params, *unmatched):
+            starts.update(rank_boundaries(e.numel, e.shape, n, plan.partition))
+        if plan.partition == "greedy" and self.owner:  # owners are ranks 0..k-1; the rest own nothing
+            starts.update(range(1, min(n, max(self.owner.values()) + 2)))
+        self.class_end = dict(itertools.pairwise([*sorted(starts), n]))
+        return tuple(sorted(starts))
+
+    def _who(self, rank: int) -> str:
+        """``rank 3`` or ``ranks 1-6 (identical)``, as the rank's ledger is computed for."""
+        end = self.class_end.get(rank, rank + 1)
+        who = f"rank {rank}" if end == rank + 1 else f"ranks {rank}-{end - 1} (identical)"
+        if self.plan.replicas > 1:
+            who += f" of each group of {self.plan.shard_size}"
+        return who
 
     def held(self, e: Entry, like: Entry, rank: int, *, real: bool = False) -> int:
         """Elements of ``e`` held on ``rank``, sharded the way its parameter ``like`` is."""
@@ -425,7 +524,7 @@ class _Context:
             out.extend(self._buffers(srank))
             if plan.shard_params:
                 out.extend(self._gathered(srank))
-        notes = [f"rank {rank} of {self.config.world_size}, {plan.label}: predicted by the sharding transform"]
+        notes = [f"{self._who(rank)} of {self.config.world_size:,}, {plan.label}: predicted by the sharding transform"]
         return self.ledger.with_entries(
             out,
             events=events,
