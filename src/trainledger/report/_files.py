@@ -29,7 +29,7 @@ def check_output_path(
     what: str,
     protect: Iterable[str | os.PathLike[str]] = (),
 ) -> Path:
-    """Validate an output path: accepted suffix, existing folder, not one of the user's input files.
+    """Validate an output path: accepted suffix, existing writable folder, not one of the user's input files.
 
     Arguments:
         path: where the file will be written (an existing file there is replaced).
@@ -53,7 +53,24 @@ def check_output_path(
     for p in protect:
         if Path(p).resolve() == resolved:
             raise InputError(f"{what} path {str(path)!r} is one of the inputs; refusing to overwrite it")
+    if out.exists() and not out.is_file():
+        raise InputError(f"{what} path {str(path)!r} exists and is not a regular file; pick another path")
+    _check_writable(parent, what)
     return out
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    """Create and remove a probe file in ``folder``: permission bits say nothing about ``/proc`` or a
+    read-only mount (and everything looks writable to root), so only a real write is a proof."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".trainledger-probe-", dir=folder)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise InputError(
+            f"folder {str(folder)!r} for the {what} is not writable ({reason}); pick a folder you can write to"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> Path:
