@@ -71,6 +71,20 @@ def test_payload_is_the_seeds_formula():
     assert [t for _, t in pay.running_totals()] == [3384, 6768, 10152, 13536]
     assert pay.bytes == P * 32
     assert pay.excluded == ("optimizer:step",)
+    assert pay.outside == ()
+
+
+def test_payload_names_full_length_frozen_weights_apart_from_short_arrays():
+    P = 423
+    entries = (
+        Entry("w", W, "param", "float64", P, 8 * P),
+        Entry("ref.a", Category.FROZEN, "reference", "float64", 400, 3200),
+        Entry("ref.b", Category.FROZEN, "reference", "float64", 23, 184),
+        Entry("s", Category.OPTIMIZER, "step", "float32", 1, 4),
+    )
+    pay = Ledger(entries).payload()
+    assert pay.outside == ("frozen:reference",)  # 423 elements: full-length, not training state
+    assert pay.excluded == ("optimizer:step",)
 
 
 def test_payload_with_mixed_precision_is_fractional_but_exact():

@@ -201,6 +201,9 @@ class Payload:
     bytes: int
     excluded: tuple[str, ...]
     """Entries present in the ledger but not full-length arrays (step counters, buffers, factored state)."""
+    outside: tuple[str, ...] = ()
+    """Full-length arrays that are not training state of the ``P`` trainable parameters (frozen weights: a
+    reference model, a LoRA base), so not terms of the formula; listed beside it."""
 
     def running_totals(self) -> list[tuple[str, int]]:
         """Cumulative bytes as rows are added, as the seed states them (3384, 10152, 13536)."""
@@ -330,7 +333,8 @@ class Ledger:
                 category). By default: weights, master copies, each full-length optimizer array, gradients.
 
         A listed group counts only when its elements number exactly ``P`` (a full-length array); the
-        others (step counters, factored Adafactor state, buffers) are named in ``excluded``.
+        others (step counters, factored Adafactor state, buffers) are named in ``excluded``, and full-length
+        groups that are not listed (frozen weights) in ``outside``.
         """
         P = self.num_params()
         if arrays is None:
@@ -348,8 +352,14 @@ class Ledger:
             label = cat if role is None else f"{cat}:{role}"
             rows.append(PayloadRow(label, Fraction(nbytes, P), nbytes))
             used.update(id(e) for e in group)
-        excluded = sorted({f"{e.category}:{e.role}" for e in self.entries if id(e) not in used})
-        return Payload(P, tuple(rows), sum(r.bytes for r in rows), tuple(excluded))
+        rest: dict[str, int] = {}
+        for e in self.entries:
+            if id(e) not in used:
+                key = f"{e.category}:{e.role}"
+                rest[key] = rest.get(key, 0) + e.numel
+        outside = sorted(k for k, numel in rest.items() if numel == P and P)
+        excluded = sorted(k for k in rest if k not in outside)
+        return Payload(P, tuple(rows), sum(r.bytes for r in rows), tuple(excluded), tuple(outside))
 
     # --- transforms ------------------------------------------------------------------------------
 

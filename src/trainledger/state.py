@@ -42,6 +42,7 @@ class StateResult:
             ],
             "bytes": self.payload.bytes,
             "excluded": list(self.payload.excluded),
+            "full_length_not_in_formula": list(self.payload.outside),
         }
         out["recovery_checkpoint"] = {
             "bytes": self.recovery.bytes,

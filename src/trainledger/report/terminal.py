@@ -75,6 +75,11 @@ def payload_text(payload: Payload) -> Text:
         lines.append(
             f"  + {label:<22} {_num(row.bytes_per_param):>4} B/param {row.bytes:>16,}   running total {total:,}"
         )
+    if payload.outside:
+        lines.append(
+            "  full-length but not training state of the P parameters, not in the formula: "
+            + ", ".join(payload.outside)
+        )
     if payload.excluded:
         lines.append("  not full-length arrays, not in the formula: " + ", ".join(payload.excluded))
     return Text("\n".join(lines))
