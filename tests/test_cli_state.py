@@ -21,6 +21,9 @@ def test_seed_json_reports_the_seeds_numbers(cli_json):
         "gradients",
     ]
     assert d["num_params"] == 423
+    # the frozen reference has all 423 elements: full-length, just not training state of the P parameters
+    assert d["payload"]["full_length_not_in_formula"] == ["frozen:reference"]
+    assert d["payload"]["excluded"] == ["optimizer:step"]
     assert d["num_autograd_graph_nodes"] == 13
     assert d["recovery_checkpoint"]["bytes"] == 10168
 
@@ -81,6 +84,9 @@ def raises():
     raise RuntimeError("no GPU here")
 def wrong():
     return 42
+def exits():
+    import sys
+    sys.exit(3)
 """
 
 
@@ -91,6 +97,7 @@ def wrong():
         ("raises", 2, "raises() raised RuntimeError: no GPU here"),
         ("wrong", 2, "returned int"),
         ("absent", 2, "has no function 'absent'"),
+        ("exits", 2, "exits() called sys.exit(3); a model file and its factory must return, not exit"),
     ],
 )
 def test_user_factories(cli, tmp_path, factory, code, fragment):
@@ -107,3 +114,27 @@ def test_the_real_entry_point_prints_no_traceback():
     proc = run_subprocess("state", "--model", "nope")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_file_that_exits_while_imported_is_reported(cli, tmp_path):
+    f = tmp_path / "quits.py"
+    f.write_text("import sys\nsys.exit('bye')\n")
+    status, _, err = cli("state", "--model", f"{f}:make")
+    assert status == 2 and "called sys.exit('bye')" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_factory_file_imports_its_sibling_modules_and_sys_path_is_restored(cli, tmp_path):
+    import sys
+
+    (tmp_path / "sibling_layers.py").write_text("import torch\ndef layer():\n    return torch.nn.Linear(3, 1)\n")
+    (tmp_path / "uses_sibling.py").write_text(
+        "import torch, trainledger\nfrom sibling_layers import layer\n"
+        "def make():\n    return trainledger.Workload(layer(), torch.randn(4, 3), loss_fn=lambda o, b: o.sum())\n"
+    )
+    before = list(sys.path)
+    try:
+        status, out, err = cli("state", "--model", f"{tmp_path / 'uses_sibling.py'}:make", "--json")
+        assert status == 0, err
+        assert sys.path == before
+    finally:
+        sys.modules.pop("sibling_layers", None)

@@ -237,6 +237,38 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 # --- loading ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _folder_on_path(folder: Path) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` for the duration (as ``python file.py`` puts the script's folder),
+    then removed again, whatever happened."""
+    entry = str(folder)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        for i, item in enumerate(sys.path):
+            if item is entry:  # the very entry added, even if the user's code added an equal one
+                del sys.path[i]
+                break
+
+
+@contextlib.contextmanager
+def _users_code(what: str) -> Iterator[None]:
+    """The user's file or factory: an exception, or a ``sys.exit()``, becomes one line that says whose
+    doing it was (an interrupt still interrupts)."""
+    try:
+        yield
+    except InputError:
+        raise
+    except SystemExit as exc:
+        raise InputError(
+            f"{what} called sys.exit({exc.code!r}); a model file and its factory must return, not exit"
+        ) from None
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:300]
+        raise InputError(f"{what} raised {type(exc).__name__}: {message}") from exc
+
+
 def load_workload(spec: str) -> Workload:
     """A built-in example by name (``gpt-tiny``) or a user's ``path/to/file.py:factory``.
 
@@ -263,17 +295,18 @@ def load_workload(spec: str) -> Workload:
         raise InputError(f"cannot import {path_text!r}; it must be a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file: report it in one line
-        raise InputError(f"importing {path_text!r} raised {type(exc).__name__}: {exc}") from exc
-    factory = getattr(module, factory_name, None)
-    if not callable(factory):
-        raise InputError(f"{path_text!r} has no function {factory_name!r}")
-    try:
-        workload = factory()
-    except Exception as exc:
-        raise InputError(f"{factory_name}() raised {type(exc).__name__}: {exc}") from exc
+    with _folder_on_path(path.resolve().parent):  # sibling imports work as with `python file.py`
+        try:
+            with _users_code(f"importing {path_text!r}"):
+                module_spec.loader.exec_module(module)
+        except InputError:
+            sys.modules.pop(module_name, None)
+            raise
+        factory = getattr(module, factory_name, None)
+        if not callable(factory):
+            raise InputError(f"{path_text!r} has no function {factory_name!r}")
+        with _users_code(f"{factory_name}()"):
+            workload = factory()
     if not isinstance(workload, Workload):
         raise InputError(
             f"{factory_name}() returned {type(workload).__name__}; "
