@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
 from trainledger import __version__
 from trainledger.commands import demo, estimate, fit, pareto, plan, shard, state, trace
 from trainledger.errors import InputError
+from trainledger.signals import Terminated, exit_status, stop_children, terminating_signals_raise
 
 COMMANDS = (demo, state, trace, shard, plan, pareto, estimate, fit)
 
@@ -40,14 +42,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.run(args))
+        with terminating_signals_raise():  # SIGTERM and SIGHUP unwind like Ctrl-C: every cleanup runs
+            return int(args.run(args))
     except InputError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message held
         sys.stderr.write(f"trainledger {args.command}: error: {message}\n")
         return 2
     except KeyboardInterrupt:
+        stop_children()
         sys.stderr.write("trainledger: interrupted\n")
-        return 130
+        return exit_status(signal.SIGINT)
+    except Terminated as exc:
+        stop_children()
+        sys.stderr.write(f"trainledger: terminated by {signal.Signals(exc.signum).name}\n")
+        return exit_status(exc.signum)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import re
+import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -43,6 +48,30 @@ def input_paths(args: argparse.Namespace) -> list[str]:
 def flags_verb(flags: list[str], singular: str, plural: str) -> str:
     """``--a applies`` or ``--a, --b apply``: the flags a message names, with its verb agreeing."""
     return f"{', '.join(flags)} {singular if len(flags) == 1 else plural}"
+
+
+@contextlib.contextmanager
+def private_tmpdir(prefix: str = "trainledger-") -> Iterator[Path]:
+    """A temporary folder of the command's own, named by ``TMPDIR`` (and ``tempfile``) for the duration
+    and removed afterwards with whatever was left in it: libraries that write scratch files and delete
+    them only on success (a MILP solver's ``.mps``/``.sol`` files) leave nothing behind when the
+    command is interrupted."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    keys = ("TMPDIR", "TMP", "TEMP")
+    saved_env = {k: os.environ.get(k) for k in keys}
+    saved_tempdir = tempfile.tempdir
+    try:
+        os.environ.update(dict.fromkeys(keys, str(folder)))
+        tempfile.tempdir = str(folder)
+        yield folder
+    finally:
+        tempfile.tempdir = saved_tempdir
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def print_json(obj: dict[str, Any]) -> None:

@@ -9,7 +9,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, input_paths, positive_int, print_json
+from trainledger.commands.common import (
+    add_json_flag,
+    add_model_flag,
+    input_paths,
+    positive_int,
+    print_json,
+    private_tmpdir,
+)
 from trainledger.commands.plan import add_cost_flag, require_model, require_solvers
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.workload import load_workload
@@ -26,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with the MILP optimum, a greedy knapsack, uniform per-block checkpointing and Chen's sqrt(n).",
     )
     add_model_flag(p)
-    p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets (default 8)")
+    p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets, 2 to 64 (default 8)")
     add_cost_flag(p)
     p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
     p.add_argument("--plot", metavar="FILE", help="write the curve as a picture (.png or .svg)")
@@ -43,7 +50,9 @@ def compute(args: argparse.Namespace) -> ParetoResult:
         from trainledger.report.exports import check_export_paths
 
         check_export_paths(plot=args.plot, protect=input_paths(args))  # the suffix, the folder, matplotlib
-    return pareto(load_workload(args.model), num_budgets=args.budgets, cost=args.cost, verify=args.verify)
+    workload = load_workload(args.model)
+    with private_tmpdir(prefix="trainledger-pareto-"):  # the SAC MILP's solver files go with it
+        return pareto(workload, num_budgets=args.budgets, cost=args.cost, verify=args.verify)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,9 +32,11 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -273,9 +275,19 @@ def _launch(config: RunConfig, tmp: Path) -> list[dict[str, Any]]:
     try:
         for rank in range(config.world_size):
             argv = [sys.executable, "-m", "trainledger.shard.launch", str(rank), str(config.world_size)]
-            argv += [str(store.port), str(tmp)]
+            argv += [str(store.port), str(tmp), str(os.getpid())]
             with (tmp / f"rank{rank}.stderr").open("wb") as err:  # the child keeps its own handle
-                procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err))
+                # Each rank leads a process group of its own: a Ctrl-C at the terminal reaches the parent
+                # alone, which stops every rank (and anything a rank started) the same way for every signal.
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
         while True:
             failed = [r for r in range(config.world_size) if (tmp / f"rank{r}.error").exists()]
             if failed:
@@ -311,16 +323,25 @@ def _launch(config: RunConfig, tmp: Path) -> list[dict[str, Any]]:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Terminate, then kill, every rank still running; reap them all."""
+    """Terminate, then kill, the process group of every rank still running; reap them all."""
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
+        if p.poll() is None:  # a group is signalled only while its leader is ours and unreaped
+            _signal_group(p, signal.SIGTERM)
     for p in procs:
         try:
             p.wait(timeout=3)
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
             p.wait(timeout=3)
+
+
+def _signal_group(p: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(p.pid, signum)
+    except ProcessLookupError:
+        pass
+    except PermissionError:  # not a group of ours after all: the rank itself, then
+        p.send_signal(signum)
 
 
 def _failure_message(tmp: Path, failed: list[int]) -> str:
@@ -364,8 +385,43 @@ def _report_from_dict(d: dict[str, Any]) -> RankReport:
 # --- one rank -----------------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world_size: int, port: int, tmp: str) -> None:
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid`` (the launcher) dies, however it dies (even by SIGKILL, which
+    runs no cleanup): a rank left alone would otherwise wait in a collective forever.
+
+    On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` has the kernel do it the instant the parent goes, at no
+    cost; the parent may already have gone before the call, so the parent's pid is checked after it.
+    Elsewhere a daemon thread polls ``os.getppid()`` twice a second (a rank is reparented when its
+    parent dies).
+    """
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="trainledger-parent-watch", daemon=True).start()
+        return
+    if os.getppid() != parent_pid:  # it died between the first check and the prctl
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+"""``<linux/prctl.h>``: the signal a process gets when its parent dies."""
+
+
+def _rank_main(rank: int, world_size: int, port: int, tmp: str, parent_pid: int) -> None:
     """A rank's whole life; any exception is written for the parent, which stops every rank."""
+    exit_with_parent(parent_pid)
     out = Path(tmp)
     cfg = json.loads((out / "config.json").read_text())
 
@@ -524,5 +580,5 @@ def _gather_text(text: str, rank: int, world_size: int, backend: str) -> list[st
     return [bytes(b[: int(s.item())].cpu().tolist()).decode() for b, s in zip(bufs, sizes, strict=True)]
 
 
-if __name__ == "__main__":  # one rank, started by _launch: RANK WORLD_SIZE STORE_PORT DIRECTORY
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+if __name__ == "__main__":  # one rank, started by _launch: RANK WORLD_SIZE STORE_PORT DIRECTORY PARENT_PID
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))

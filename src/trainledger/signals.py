@@ -1,0 +1,100 @@
+"""Signals that end a command: every one of them runs the command's cleanup, then exits conventionally.
+
+Python turns SIGINT (Ctrl-C) into :class:`KeyboardInterrupt`, so ``finally`` blocks run and temporary
+files go; SIGTERM (``kill``, a job scheduler) and SIGHUP (a closed terminal) would end the process at
+once, leaving processes it started and files it wrote. :func:`terminating_signals_raise` makes those two
+raise :class:`Terminated` the same way; the first signal also sets all three to be ignored, so that a
+repeated Ctrl-C cannot cut the cleanup short. :func:`stop_children` then ends any process the command
+started that is still running (a MILP solver's process, for one).
+
+The command line exits with ``128 + signal number`` (130, 143, 129), as shells report a process ended by
+a signal. No torch import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+TERMINATING: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (a ``BaseException``, like ``KeyboardInterrupt``: ``except Exception``
+    does not swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_status(signum: int) -> int:
+    """The conventional exit status of a process ended by ``signum``: 128 + its number."""
+    return 128 + int(signum)
+
+
+def _raise(signum: int, _frame: FrameType | None) -> None:
+    for s in TERMINATING:  # the cleanup that follows must not be cut short by a second signal
+        signal.signal(s, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminating_signals_raise() -> Iterator[None]:
+    """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM and SIGHUP raise
+    :class:`Terminated`, once; later signals are ignored until the block ends. Only the main thread can
+    set handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in TERMINATING}
+    try:
+        for s in TERMINATING:
+            signal.signal(s, _raise)
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The live child processes of ``pid`` (default: this process), from ``/proc`` (Linux; elsewhere none)."""
+    pid = os.getpid() if pid is None else pid
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in task.read_text().split()]
+    return children
+
+
+def stop_children(grace_seconds: float = 2.0) -> None:
+    """End every process this one started that still runs: SIGTERM, then SIGKILL after ``grace_seconds``."""
+    children = child_pids()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while children and time.monotonic() < deadline:
+        children = [pid for pid in children if not _reaped(pid)]
+        time.sleep(0.05)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        _reaped(pid, block=True)
+
+
+def _reaped(pid: int, *, block: bool = False) -> bool:
+    """Reap ``pid`` if it has exited (it is our child); ``True`` once it is gone."""
+    try:
+        done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:  # already reaped (by its Popen object, say)
+        return True
+    return done == pid

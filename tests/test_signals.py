@@ -1,0 +1,117 @@
+"""A signal that ends a command ends every process it started and removes every temporary file it wrote.
+
+Each test runs the real entry point in a fresh process with ``TMPDIR`` pointing at a folder of its own
+(so a leftover is this command's, and nothing else's), waits until the work it means to interrupt has
+begun — the ranks of ``shard --run`` exist, or ``pareto``'s MILP solver has written its model file —
+sends the signal, and checks the exit status, the processes and the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from trainledger.signals import child_pids
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds child processes through /proc"),
+]
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper other than us counts as gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+@contextlib.contextmanager
+def _running(argv: list[str], tmp: Path) -> Iterator[subprocess.Popen[str]]:
+    """The command in a fresh process, killed and reaped (pipes closed) whatever the test found."""
+    env = {**os.environ, "TMPDIR": str(tmp), "TMP": str(tmp), "TEMP": str(tmp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainledger.cli", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+
+
+def _wait_for(proc: subprocess.Popen[str], ready: Callable[[], bool], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the command ended before it could be interrupted: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, "the work to interrupt never began"
+        time.sleep(0.01)  # the solver's model file lives a fraction of a second
+
+
+def _all_gone(pids: list[int], timeout: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _interrupt(proc: subprocess.Popen[str], signum: int) -> str:
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err  # 130, 143, 129: as shells report it
+    assert "Traceback" not in err
+    return err
+
+
+SHARD_RUN = ["shard", "--model", "gpt-tiny", "--world", "2", "--stage", "3", "--run"]
+
+
+def _ranks_started(proc: subprocess.Popen[str], tmp: Path) -> bool:
+    return len(child_pids(proc.pid)) == 2 and any(tmp.glob("trainledger-shard-*/rank1.stage"))
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_shard_run_leaves_no_rank_and_no_folder(tmp_path, signum):
+    with _running(SHARD_RUN, tmp_path) as proc:
+        _wait_for(proc, lambda: _ranks_started(proc, tmp_path))
+        ranks = child_pids(proc.pid)
+        _interrupt(proc, signum)
+    assert _all_gone(ranks) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_exit_when_their_parent_is_killed(tmp_path):
+    """SIGKILL runs no cleanup at all: the ranks notice their parent is gone and exit by themselves (the
+    folder is then left behind; nothing can remove it)."""
+    with _running(SHARD_RUN, tmp_path) as proc:
+        _wait_for(proc, lambda: _ranks_started(proc, tmp_path))
+        ranks = child_pids(proc.pid)
+        proc.kill()
+        proc.wait(timeout=30)
+        assert _all_gone(ranks) == []
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_pareto_leaves_no_solver_process_and_no_solver_file(tmp_path, signum):
+    with _running(["pareto", "--model", "gpt-tiny", "--budgets", "2"], tmp_path) as proc:
+        _wait_for(proc, lambda: any(tmp_path.rglob("*.mps")))  # PyTorch's SAC MILP is being solved
+        children = child_pids(proc.pid)
+        _interrupt(proc, signum)
+    assert _all_gone(children) == []
+    assert list(tmp_path.iterdir()) == []
