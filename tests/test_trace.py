@@ -46,6 +46,19 @@ def test_kernel_internal_workspace_is_small_and_measured(name):
     assert m.unseen_workspace_bytes == oracle - traced
 
 
+def test_measured_step_times_name_their_spread_and_threads_and_the_profiler_stays_quiet(capfd):
+    from trainledger.measure import measure
+
+    threads = torch.get_num_threads()
+    m = measure(examples.mlp(), num_steps=3)
+    fastest, median, slowest = m.step_spread_seconds
+    assert len(m.step_seconds) == 3 and fastest <= median <= slowest and m.step_threads == 1
+    assert torch.get_num_threads() == threads  # restored
+    d = m.to_dict()
+    assert d["min_step_seconds"] == fastest and d["max_step_seconds"] == slowest
+    assert "USDT" not in capfd.readouterr().err  # the profiler's native trace lines are filtered out
+
+
 FAKEABLE_EXACT = ["gpt-tiny", "mlp", "cnn", "dpo", "autocast-bf16", "bf16-master"]
 
 

@@ -162,7 +162,10 @@ def render(ledger: Ledger, console: Console, *, measurement: Any = None, written
                 f" (start from {m.start_source}); traced {pk.bytes:,}; workspace not visible as tensors "
                 f"{m.unseen_workspace_bytes:,} bytes (kernel-internal buffers, allocator rounding)"
                 + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes else "")
-                + f"\nmedian step time {m.median_step_seconds * 1e3:.2f} ms over {len(m.step_seconds)} steps"
+                + "\nstep time {1:.2f} ms median, {0:.2f} fastest, {2:.2f} slowest".format(
+                    *(t * 1e3 for t in m.step_spread_seconds)
+                )
+                + f" over {len(m.step_seconds)} untraced steps on {m.step_threads} intra-op thread(s)"
             )
         )
     items += [Text(f"wrote {p}") for p in written]

@@ -18,9 +18,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +57,17 @@ class Measurement:
     """What the caching allocator held at most (CUDA only)."""
     step_seconds: tuple[float, ...]
     traced: Ledger
+    step_threads: int = 1
+    """Intra-op threads the steps were timed with."""
 
     @property
     def median_step_seconds(self) -> float:
         return statistics.median(self.step_seconds)
+
+    @property
+    def step_spread_seconds(self) -> tuple[float, float, float]:
+        """Fastest, median and slowest step: a wide spread says the machine was busy."""
+        return min(self.step_seconds), self.median_step_seconds, max(self.step_seconds)
 
     @property
     def unseen_workspace_bytes(self) -> int:
@@ -80,6 +92,9 @@ class Measurement:
             "unseen_workspace_bytes": self.unseen_workspace_bytes,
             "step_seconds": list(self.step_seconds),
             "median_step_seconds": self.median_step_seconds,
+            "min_step_seconds": min(self.step_seconds),
+            "max_step_seconds": max(self.step_seconds),
+            "step_threads": self.step_threads,
             "notes": [
                 "peak is the allocator's own count; by_category is the trace's breakdown at its peak, "
                 "plus the difference as workspace not visible as tensors"
@@ -108,14 +123,30 @@ def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
         rise = _cpu_rise(workload)
         start = sum(e.nbytes for e in ledger.entries if e.alloc_event is None)
         peak, reserved, start_source = start + rise, None, "trace"
-    times = []
-    for _ in range(num_steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        run_step(workload)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return Measurement(device, peak, start, start_source, reserved, tuple(times), ledger)
+    times = _timed_steps(workload, device, num_steps)
+    return Measurement(device, peak, start, start_source, reserved, times, ledger, STEP_THREADS)
+
+
+STEP_THREADS = 1
+"""Intra-op threads while steps are timed: with all cores, a busy machine made the median of the same
+step 100 times slower (1.5 s against 15.6 ms quiet); one thread is repeatable (as ``plan --verify``)."""
+
+
+def _timed_steps(workload: Workload, device: str, num_steps: int) -> tuple[float, ...]:
+    """Wall times of ``num_steps`` untraced steps on :data:`STEP_THREADS` intra-op threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(STEP_THREADS)
+    try:
+        times = []
+        for _ in range(num_steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            run_step(workload)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return tuple(times)
 
 
 def _snapshot(workload: Workload) -> dict[str, Any]:
@@ -165,10 +196,32 @@ def _cpu_rise(workload: Workload) -> int:
     """Largest rise of live CPU bytes above the step's start, from the profiler's memory events."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function(WINDOW):
-            run_step(workload)
+    with _native_stderr_filtered(), quiet_gc():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function(WINDOW):
+                run_step(workload)
     return window_rise(prof, WINDOW)
+
+
+@contextlib.contextmanager
+def _native_stderr_filtered(noise: str = "USDT:") -> Iterator[None]:
+    """The profiler's native layer prints ``USDT:`` trace lines straight to file descriptor 2, where no
+    Python setting reaches them: point fd 2 at a temporary file for the duration, then pass on every
+    line but those (so real warnings and errors still reach the user)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [line for line in capture.read().splitlines(keepends=True) if not line.startswith(noise.encode())]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def window_rise(prof: Any, window: str) -> int:
