@@ -64,7 +64,7 @@ def test_gpt2_accepts_its_own_and_the_standard_names():
     ("text", "fragment"),
     [
         ('{"model_type": "llama",', "is not valid JSON"),
-        ("[1, 2]", "holds a JSON list, not an object"),
+        ("[1, 2]", "holds a JSON list; give an object"),
     ],
 )
 def test_file_errors(tmp_path, text, fragment):

@@ -56,7 +56,7 @@ def test_traced_model_prediction(cli_json):
         (["shard", "--params", "1e9", "--weights", "fp12"], "unknown dtype 'fp12'"),
         (["shard"], "give --model"),
         (["shard", "--params", "1e9", "--model", "mlp"], "not both"),
-        (["shard", "--params", "1e9", "--run"], "--run needs --model"),
+        (["shard", "--params", "1e9", "--run"], "--run needs a model to run"),
         (["shard", "--model", "mlp", "--run", "--world", "100000"], "more ranks than this machine can run"),
         (["shard", "--model", "mlp", "--run", "--stage", "all"], "not 'all'"),
         (["shard", "--model", "mlp", "--run", "--stage", "full_shard"], "a real run supports stages 0, 1, 2, 3"),

@@ -21,9 +21,21 @@ def test_parse_size_rejects(text):
 
 def test_parse_count():
     assert parse_count("1e9") == 10**9 and parse_count("7B") == 7 * 10**9 and parse_count("423") == 423
+    assert parse_count("1e40") == 10**40  # exactly: no float rounding noise
+    assert parse_count(str(10**28 + 1)) == 10**28 + 1
+    assert parse_count("1.000000000000000000000000000001e30") == 10**30 + 1
     for bad in ["0", "-5", "1.5", "x"]:
         with pytest.raises(ValueError, match="count"):
             parse_count(bad)
+    with pytest.raises(ValueError, match="count '-1' must be positive"):  # a number, just not a count
+        parse_count("-1")
+
+
+def test_parse_size_refuses_sizes_beyond_any_machine():
+    assert parse_size("1e18") == 10**18 and parse_size(2**60) == 2**60
+    for text in ["1e19", "1e30", "1e999"]:
+        with pytest.raises(ValueError, match="size"):
+            parse_size(text)
 
 
 def test_parse_dtype():

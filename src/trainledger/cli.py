@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -19,8 +20,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit 2), not a usage dump."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if not _SAYS_WHAT_WOULD_DO.search(message):  # argparse's own: unrecognized, missing, ambiguous
+            message += f"; see '{self.prog} --help' for what is accepted"
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
+
+
+_SAYS_WHAT_WOULD_DO = re.compile(r"accepted|choose from|must|give|e\.g\.|at (least|most)|use ")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, so the message names the command
+        command = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

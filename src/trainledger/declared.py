@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainledger.checks import MAX_PARAMS, instance_of, one_of, whole_number
+from trainledger.checks import MAX_PARAMS, instance_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.units import dtype_bytes, parse_dtype
@@ -76,7 +76,8 @@ class StateSpec:
                 "adafactor's factored state depends on tensor shapes, which a parameter count does not give; "
                 "inventory a real model instead"
             )
-        one_of(opt, "optimizer", OPTIMIZER_ARRAYS)
+        if opt not in OPTIMIZER_ARRAYS:
+            raise InputError(f"unknown optimizer {self.optimizer!r}; accepted: {', '.join(OPTIMIZER_ARRAYS)}")
         instance_of(self.device, str, "device", "give a device name such as 'cuda' or 'device'")
 
 

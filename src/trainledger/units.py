@@ -7,7 +7,7 @@ No torch import: dtypes are known by name.
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from decimal import Decimal, localcontext
 
 from trainledger.checks import MAX_BYTES
 from trainledger.errors import InputError
@@ -37,6 +37,17 @@ def _decimal(number: str, what: str, text: object) -> Decimal:
     return value
 
 
+def _times(value: Decimal, factor: int) -> Decimal:
+    """``value * factor`` exactly (Decimal arithmetic rounds to 28 digits unless told otherwise)."""
+    with localcontext() as ctx:
+        ctx.prec = len(value.as_tuple().digits) + len(str(factor)) + 2
+        return value * factor
+
+
+class SizeSyntaxError(InputError):
+    """A size that is not written as one (as opposed to one that is written well but out of range)."""
+
+
 def parse_size(text: str | int) -> int:
     """Parse ``12GB``, ``11.2GiB``, ``512MiB``, ``1e9`` or plain bytes into integer bytes.
 
@@ -51,11 +62,11 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE_RE.match(str(text))
         if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise InputError(f"size {text!r} is not understood; use bytes or a unit: 12GB, 11.2GiB, 512MiB, 1e9")
+            raise SizeSyntaxError(f"size {text!r} is not understood; use bytes or a unit: 12GB, 11.2GiB, 512MiB, 1e9")
         value, unit = _decimal(m.group(1), "size", text), m.group(2).lower()
     if value <= 0:
         raise InputError(f"size {text!r} must be positive, e.g. 12GB, 11.2GiB, 512MiB")
-    nbytes = value * _SIZE_UNITS[unit]
+    nbytes = _times(value, _SIZE_UNITS[unit])
     if nbytes > MAX_BYTES.value:
         raise InputError(f"size {text!r} is more than {MAX_BYTES.value:,} bytes, the most accepted ({MAX_BYTES.why})")
     if nbytes < 1:
@@ -77,7 +88,7 @@ def parse_count(text: str | int) -> int:
     m = _COUNT_RE.match(str(text))
     if not m:
         raise InputError(f"count {text!r} is not a number; use e.g. 423, 1e9, 7B, 1.5M")
-    value = _decimal(m.group(1), "count", text) * _COUNT_SUFFIX[m.group(2).lower()]
+    value = _times(_decimal(m.group(1), "count", text), _COUNT_SUFFIX[m.group(2).lower()])
     if value <= 0:
         raise InputError(f"count {text!r} must be positive (above 0), e.g. 423, 1e9, 7B")
     if value != value.to_integral_value():

@@ -97,7 +97,7 @@ def _check_module(value: Any, what: str, *, required: bool) -> None:
     if isinstance(value, nn.Module):
         return
     if isinstance(value, type) and issubclass(value, nn.Module):
-        raise InputError(f"{what} is the class {value.__name__}, not a model; build one first: {value.__name__}(...)")
+        raise InputError(f"{what} is the class {value.__name__}, not a model; give an instance: {value.__name__}(...)")
     accepted = "an nn.Module instance" + ("" if required else " or None")
     raise InputError(f"{what} is {describe(value)}; accepted: {accepted}")
 
@@ -106,10 +106,10 @@ def require_workload(value: Any, caller: str) -> Workload:
     """``value`` if it is a :class:`Workload`; otherwise one line saying how to make one (for ``caller``)."""
     if isinstance(value, Workload):
         return value
-    hint = "build one with trainledger.Workload(model, batch, loss_fn=..., optimizer=...)"
+    hint = "give trainledger.Workload(model, batch, loss_fn=..., optimizer=...)"
     if isinstance(value, nn.Module):
-        hint = "wrap the model with its batch: trainledger.Workload(model, batch)"
-    raise InputError(f"{caller}() takes a trainledger.Workload; got {describe(value)}: {hint}")
+        hint = "give the model with its batch: trainledger.Workload(model, batch)"
+    raise InputError(f"{caller}() takes a trainledger.Workload, not {describe(value)}; {hint}")
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -240,12 +240,16 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 @contextlib.contextmanager
 def _folder_on_path(folder: Path) -> Iterator[None]:
     """``folder`` first on ``sys.path`` for the duration (as ``python file.py`` puts the script's folder),
-    then removed again, whatever happened."""
+    then removed again, whatever happened. No ``__pycache__`` is written into the user's folder meanwhile:
+    reading a model must not add files beside it."""
     entry = str(folder)
     sys.path.insert(0, entry)
+    no_bytecode = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
     try:
         yield
     finally:
+        sys.dont_write_bytecode = no_bytecode
         for i, item in enumerate(sys.path):
             if item is entry:  # the very entry added, even if the user's code added an equal one
                 del sys.path[i]
@@ -266,7 +270,7 @@ def _users_code(what: str) -> Iterator[None]:
         ) from None
     except Exception as exc:
         message = " ".join(str(exc).split())[:300]
-        raise InputError(f"{what} raised {type(exc).__name__}: {message}") from exc
+        raise InputError(f"{what} raised {type(exc).__name__}: {message}; fix it and try again") from exc
 
 
 def load_workload(spec: str) -> Workload:
@@ -288,7 +292,7 @@ def load_workload(spec: str) -> Workload:
     if not path.is_file():
         raise InputError(f"model file {path_text!r} does not exist; give path/to/file.py:factory")
     if not factory_name.isidentifier():
-        raise InputError(f"factory name {factory_name!r} in {spec!r} is not a Python name")
+        raise InputError(f"factory name {factory_name!r} in {spec!r} is not a Python name; give a function's name")
     module_name = f"_trainledger_user_{abs(hash(path.resolve()))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
@@ -304,7 +308,9 @@ def load_workload(spec: str) -> Workload:
             raise
         factory = getattr(module, factory_name, None)
         if not callable(factory):
-            raise InputError(f"{path_text!r} has no function {factory_name!r}")
+            raise InputError(
+                f"{path_text!r} has no function {factory_name!r}; give file.py:NAME where NAME() returns a Workload"
+            )
         with _users_code(f"{factory_name}()"):
             workload = factory()
     if not isinstance(workload, Workload):

@@ -153,16 +153,22 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raw = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise InputError(
-            f"config {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            f"config {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}; fix the file"
         ) from None
     except UnicodeDecodeError:
         raise InputError(f"config {str(p)!r} is not a UTF-8 text file; give a config.json") from None
     except OSError as exc:
-        raise InputError(f"config {str(p)!r} cannot be read ({exc.strerror or type(exc).__name__})") from None
+        raise InputError(
+            f"config {str(p)!r} cannot be read ({exc.strerror or type(exc).__name__}); give a readable config.json"
+        ) from None
     except RecursionError:
-        raise InputError(f"config {str(p)!r} nests too deeply to be a config.json") from None
+        raise InputError(
+            f"config {str(p)!r} nests too deeply to be a config.json; give a model's config.json"
+        ) from None
     if not isinstance(raw, dict):
-        raise InputError(f"config {str(p)!r} holds a JSON {type(raw).__name__}, not an object of config keys")
+        raise InputError(
+            f"config {str(p)!r} holds a JSON {type(raw).__name__}; give an object of config keys (a config.json)"
+        )
     return raw
 
 
@@ -170,9 +176,9 @@ def normalized_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config's keys with GPT-2's standard-name aliases resolved, ``model_type`` checked."""
     model_type = raw.get("model_type")
     if model_type is None:
-        raise InputError(f"config is missing key 'model_type'; supported: {', '.join(FAMILIES)}")
+        raise InputError(f"config is missing key 'model_type'; accepted: {', '.join(FAMILIES)}")
     if model_type not in FAMILIES:
-        raise InputError(f"unknown model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+        raise InputError(f"unknown model_type {model_type!r}; accepted: {', '.join(FAMILIES)}")
     cfg = dict(raw)
     if model_type == "gpt2":
         for std, own in _GPT2_ALIASES.items():
@@ -180,7 +186,9 @@ def normalized_config(raw: dict[str, Any]) -> dict[str, Any]:
                 cfg[own] = cfg.pop(std)
     missing = [k for k in _REQUIRED[model_type] if k not in cfg]
     if missing:
-        raise InputError(f"{model_type} config is missing key(s) {', '.join(repr(k) for k in missing)}")
+        raise InputError(
+            f"{model_type} config is missing key(s) {', '.join(repr(k) for k in missing)}; add them (the model's sizes)"
+        )
     return cfg
 
 
@@ -253,7 +261,9 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
         num_experts = _size(cfg, "num_local_experts", MAX_EXPERTS)
         top_k = _size(cfg, "num_experts_per_tok")
         if top_k > num_experts:
-            raise InputError(f"num_experts_per_tok {top_k} exceeds num_local_experts {num_experts}")
+            raise InputError(
+                f"num_experts_per_tok {top_k} exceeds num_local_experts {num_experts}; give at most {num_experts}"
+            )
     act = cfg.get("activation_function" if gpt2 else "hidden_act")
     if act not in _ACTIVATIONS:
         raise InputError(f"activation {act!r} is not modelled; accepted: {', '.join(_ACTIVATIONS)}")

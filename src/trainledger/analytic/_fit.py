@@ -47,7 +47,7 @@ class FitOptions:
         if self.device_memory <= self.reserve_bytes:
             raise InputError(
                 f"device memory {self.device_memory:,} bytes leaves nothing after the reserve of "
-                f"{self.reserve_bytes:,} bytes; lower the reserve"
+                f"{self.reserve_bytes:,} bytes; give a reserve below the device memory"
             )
         whole_number(self.world, "world size (data-parallel ranks)")
         for what, values, accepted in (

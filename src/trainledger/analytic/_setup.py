@@ -85,8 +85,8 @@ class Setup:
                 raise InputError(f"{name} {getattr(self, name)!r} must be True or False")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise InputError(
-                "sequence parallelism splits activations across tensor-parallel ranks; it needs a "
-                "tensor-parallel degree above 1 (or leave it off)"
+                "sequence parallelism splits activations across tensor-parallel ranks; give a tensor-parallel "
+                "degree above 1, or drop sequence parallelism"
             )
         if self.pipeline_stage is not None:
             whole_number(self.pipeline_stage, "pipeline stage", minimum=0)

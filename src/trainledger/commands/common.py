@@ -18,7 +18,6 @@ from typing import Any
 
 from rich.console import Console
 
-from trainledger.checks import Limit, whole_number
 from trainledger.errors import InputError
 from trainledger.report.terminal import make_console
 from trainledger.units import parse_count, parse_size
@@ -28,12 +27,14 @@ def add_json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def add_model_flag(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+def add_model_flag(p: argparse.ArgumentParser, *, unless: str | None = None) -> None:
+    """``--model``: required, or required unless ``unless`` (another source of the step) is given. argparse
+    cannot say "one of these two", so the command checks it and the help says it."""
+    need = f"required unless {unless} is given" if unless else "required"
     p.add_argument(
         "--model",
         metavar="NAME|FILE.py:FACTORY",
-        required=required,
-        help="a built-in example (seed-423, gpt-tiny, mlp, cnn, lstm, moe, dpo, lora, autocast-bf16, "
+        help=f"({need}) a built-in example (seed-423, gpt-tiny, mlp, cnn, lstm, moe, dpo, lora, autocast-bf16, "
         "bf16-master, unet-small) or your file.py:factory returning a trainledger.Workload",
     )
 
@@ -100,18 +101,20 @@ size_arg = _argparse_type(parse_size)
 _NUMBER = re.compile(r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$")
 
 
-def positive_int(*, minimum: int = 1, limit: Limit | None = None) -> Callable[[str], int]:
-    """An argparse type: a whole number in ``[minimum, limit]`` (``4096``, and ``1e6`` too)."""
+def positive_int(*, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (``4096``, and ``1e6`` too); the limits of
+    each quantity are the library's to check (they hold for Python callers too)."""
 
     def whole(text: str) -> int:
         value = Decimal(text) if _NUMBER.match(text) else None
         if value is None or value != value.to_integral_value():
             raise InputError(f"{text!r} is not a whole number; give e.g. {max(minimum, 1) * 8}")
+        shown = text.strip()  # as typed
+        if value < minimum:
+            raise InputError(f"{shown} must be at least {minimum:,}")
         if value.adjusted() > 30:
-            raise InputError(
-                f"{text!r} is far too large" + (f"; at most {limit.value:,} ({limit.why})" if limit else "")
-            )
-        return whole_number(int(value), "", minimum=minimum, limit=limit)
+            raise InputError(f"{shown} is far too large for a count here; give a whole number such as 8")
+        return int(value)
 
     return _argparse_type(whole)
 

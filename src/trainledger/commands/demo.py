@@ -22,7 +22,13 @@ next:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run trainledger on its built-in examples")
+    p = sub.add_parser(
+        "demo",
+        help="run trainledger on its built-in examples",
+        description="Show what trainledger answers, with nothing to give: the persistent state of the seed's "
+        "423-parameter model, then one traced training step of a small GPT and what is live at its peak; "
+        "ends with the commands to try next. Takes no flags.",
+    )
     p.set_defaults(run=run)
 
 

@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Per-rank memory and communication of ZeRO/FSDP, from a declared format (--params), "
         "a traced model (--model), or a real multi-process run (--model ... --run).",
     )
-    add_model_flag(p)
+    add_model_flag(p, unless="--params")
     p.add_argument("--world", type=positive_int(), default=2, help="number of ranks (default 2)")
     p.add_argument(
         "--stage",
@@ -306,7 +306,7 @@ def _run_for_real(args: argparse.Namespace) -> int:
     from trainledger.shard.launch import RunConfig, run
 
     if not args.model:
-        raise InputError("--run needs --model NAME|file.py:factory (a declared format has nothing to run)")
+        raise InputError("--run needs a model to run: give --model NAME|file.py:factory (a declared format has none)")
     check_flags(args)
     strategy = parse_strategy(args.stage) if args.stage != "all" else None
     if strategy is None:

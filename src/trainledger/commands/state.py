@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="weights, gradients, optimizer state and master copies, each with its real precision",
         description="Persistent training state of a model (--model) or of a stated format (--params ...).",
     )
-    add_model_flag(p)
+    add_model_flag(p, unless="--params")
     p.add_argument(
         "--no-step", action="store_true", help="with --model: inventory the model as built, without one step"
     )

@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="trace one training step: every tensor's lifetime and the true simultaneous peak",
         description="Trace one steady-state training step (after a warm-up step) tensor by tensor.",
     )
-    add_model_flag(p)
+    add_model_flag(p, unless="--hf-config")
     hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
     hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
     add_step_flags(hf, unset=True)
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from trainledger.trace import trace
 
     if args.measure and args.fake:
-        raise InputError("--measure runs the real step; it cannot be combined with --fake")
+        raise InputError("--measure runs the real step, --fake a step on fake tensors: drop one of them")
     outputs = _check_outputs(args)
     strategy = parse_strategy(args.stage)
     workload = workload_for(args)

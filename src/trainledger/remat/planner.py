@@ -25,7 +25,7 @@ from trainledger.remat.candidates import (
     replay,
 )
 from trainledger.remat.solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
-from trainledger.units import format_bytes, parse_size
+from trainledger.units import SizeSyntaxError, format_bytes, parse_size
 from trainledger.workload import Workload, require_workload
 
 _FIXED_PLANS = ("sqrt-n", "uniform")
@@ -61,11 +61,13 @@ def parse_budget(text: str | int, plain_peak_bytes: int) -> int:
             raise InputError(f"budget {text!r} is not understood; use a percentage (60%) or a size (2GiB, bytes)")
     try:
         return parse_size(text)
-    except InputError:
+    except SizeSyntaxError:
         raise InputError(
             f"budget {text!r} is not understood; use a percentage of the plain peak (60%) or a size "
             "(2GiB, 512MiB, bytes)"
         ) from None
+    except InputError as exc:  # a size out of range keeps its own message (it says the range)
+        raise InputError(f"budget: {exc}") from None
 
 
 @dataclass

@@ -52,7 +52,9 @@ def check_output_path(
     resolved = out.resolve()
     for p in protect:
         if Path(p).resolve() == resolved:
-            raise InputError(f"{what} path {str(path)!r} is one of the inputs; refusing to overwrite it")
+            raise InputError(
+                f"{what} path {str(path)!r} is one of the inputs; refusing to overwrite it: pick another path"
+            )
     if out.exists() and not out.is_file():
         raise InputError(f"{what} path {str(path)!r} exists and is not a regular file; pick another path")
     _check_writable(parent, what)
