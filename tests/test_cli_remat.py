@@ -33,6 +33,14 @@ def test_plan_json_has_the_common_keys_and_fits(cli_json, tmp_path, small_gpt):
     assert [r.path for r in plan.regions] == [r["path"] for r in d["regions"]]
 
 
+@pytest.mark.parametrize("budget", ["100%", "250%", "1e15", "900TiB"])
+def test_a_budget_the_plain_step_meets_recomputes_nothing(cli_json, small_gpt, budget):
+    d = cli_json("plan", "--model", small_gpt, "--budget", budget)
+    assert d["regions"] == [] and d["extra_flops"] == 0
+    assert d["budget_bytes"] >= d["plain_peak_bytes"]
+    assert any("nothing to recompute" in n for n in d["plan_notes"])
+
+
 @pytest.mark.slow
 def test_plan_verify_as_a_new_user_would(cli):
     code, out, err = cli("plan", "--model", "gpt-tiny", "--budget", "50%", "--verify")
