@@ -101,6 +101,8 @@ BAD_CONFIG_VALUE = st.one_of(
     WORD,
     st.lists(st.integers(), max_size=2),
 )
+HUGE_CONFIG = {**GOOD_CONFIG, "hidden_size": 2**16, "intermediate_size": 2**18, "num_hidden_layers": 128}
+"""About 10^13 parameters: plausible in a config, far beyond any machine's memory when built for real."""
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -441,6 +443,7 @@ CALLS = st.one_of(
     st.integers(min_value=MAX_SEQ_LEN.value + 1).map(
         lambda v: call(lambda: trainledger.workload_from_hf_config(GOOD_CONFIG, seq_len=v, fake=True), *_formats(v))
     ),
+    st.just(call(lambda: trainledger.workload_from_hf_config(HUGE_CONFIG), "the weights of this llama model alone")),
 )
 
 

@@ -303,6 +303,21 @@ class _LossOnly(nn.Module):
         return batch
 
 
+def _check_fits_in_memory(cfg: HFConfig, dtype: torch.dtype, *, copies: int) -> None:
+    """A real (not fake) build allocates every weight: refuse one whose weights alone exceed this machine's
+    memory, before the operating system stops the process for it."""
+    weights = num_params(cfg.spec) * dtype.itemsize * copies
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system: nothing to check against
+        return
+    if weights > memory:
+        raise InputError(
+            f"the weights of this {cfg.spec.family} model alone need {weights:,} bytes, more than this machine's "
+            f"{memory:,}; trace it on fake tensors (fake=True, or --fake) or use the analytic estimate"
+        )
+
+
 def workload_from_hf_config(
     path: str | Path | dict[str, Any],
     *,
@@ -371,6 +386,8 @@ def workload_from_hf_config(
     if recipe not in RECIPES:
         raise InputError(f"unknown precision recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
     dtype, _ = RECIPES[recipe]
+    if not fake:
+        _check_fits_in_memory(cfg, dtype, copies=2 if reference else 1)
     opt = optimizer_factory(optimizer, recipe)
     mode: Any = None
     if fake:
