@@ -35,7 +35,9 @@ STEP_DEFAULTS: dict[str, Any] = {
 """The step of a Hugging Face architecture when its flags are not given."""
 
 
-def add_step_flags(p: argparse._ActionsContainer, *, micro_batch: bool = True, unset: bool = False) -> None:
+def add_step_flags(
+    p: argparse._ActionsContainer, *, micro_batch: bool = True, unset: bool = False, dtype_help: str = RECIPE_HELP
+) -> None:
     """The flags of one step of a Hugging Face architecture (``estimate``, ``fit``, ``trace --hf-config``).
 
     ``unset``: leave every default ``None`` (the help still states it), so that a command can tell a flag
@@ -52,7 +54,7 @@ def add_step_flags(p: argparse._ActionsContainer, *, micro_batch: bool = True, u
     p.add_argument(
         "--seq-len", type=positive_int(), default=default("seq_len"), help="tokens per sequence (default 2048)"
     )
-    p.add_argument("--dtype", default=default("dtype"), choices=tuple(RECIPES), metavar="RECIPE", help=RECIPE_HELP)
+    p.add_argument("--dtype", default=default("dtype"), choices=tuple(RECIPES), metavar="RECIPE", help=dtype_help)
     p.add_argument(
         "--optimizer",
         default=default("optimizer"),
@@ -86,10 +88,10 @@ def add_step_flags(p: argparse._ActionsContainer, *, micro_batch: bool = True, u
     )
 
 
-def add_setup_flags(p: argparse.ArgumentParser, *, micro_batch: bool = True) -> None:
+def add_setup_flags(p: argparse.ArgumentParser, *, micro_batch: bool = True, dtype_help: str = RECIPE_HELP) -> None:
     """The flags that describe the step, shared by ``estimate`` and ``fit``."""
     p.add_argument("--hf-config", required=True, metavar="PATH", help="a local config.json or a folder holding one")
-    add_step_flags(p, micro_batch=micro_batch)
+    add_step_flags(p, micro_batch=micro_batch, dtype_help=dtype_help)
     p.add_argument("--tensor-parallel", type=positive_int(), default=1, help="Megatron TP degree (default 1)")
     p.add_argument(
         "--sequence-parallel", action="store_true", help="with --tensor-parallel above 1: split norms/dropouts"

@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Search micro-batch × ZeRO stage × rematerialization × precision recipe with the analytic "
         "model; list what fits with its predicted peak and relative step cost, and what does not, by how much.",
     )
-    add_setup_flags(p, micro_batch=False)
+    add_setup_flags(
+        p, micro_batch=False, dtype_help="search this one recipe: bf16-master, bf16 or fp32 (default: --recipes)"
+    )
     p.add_argument("--device-memory", type=size_arg, required=True, help="e.g. 80GiB, 24GB")
     p.add_argument("--reserve", type=size_arg, default=None, help="memory kept free (default none)")
     p.add_argument("--micro-batches", default="1,2,4,8,16,32", help="micro-batch sizes to try (default 1,2,4,8,16,32)")
@@ -36,8 +38,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="precision recipes to try, comma-separated: bf16-master, bf16, fp32 (default bf16-master,bf16)",
     )
     p.set_defaults(dtype=None)  # --dtype R searches that one recipe; without it --recipes (or its default)
-    p.add_argument("--tflops", type=positive_float, default=400.0, help="sustained TFLOP/s per device, for the cost")
-    p.add_argument("--link-gbps", type=positive_float, default=400.0, help="per-rank Gbit/s for data parallelism")
+    p.add_argument(
+        "--tflops", type=positive_float, default=400.0, help="sustained TFLOP/s per device, for the cost (default 400)"
+    )
+    p.add_argument(
+        "--link-gbps", type=positive_float, default=400.0, help="per-rank Gbit/s for data parallelism (default 400)"
+    )
     p.add_argument("--top", type=positive_int(), default=12, help="rows of each table (default 12)")
     add_json_flag(p)
     p.set_defaults(run=run)

@@ -65,7 +65,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with a traced --model: units gathered ahead in backward (default 1)",
     )
-    p.add_argument("--link-gbps", type=positive_float, default=None, help="link bandwidth (Gbit/s) to estimate time")
+    p.add_argument(
+        "--link-gbps",
+        type=positive_float,
+        default=None,
+        help="link bandwidth (Gbit/s) to estimate time (default: no time estimate)",
+    )
     p.add_argument(
         "--run", dest="run_ranks", action="store_true", help="run the ranks on torch.distributed and trace each"
     )
