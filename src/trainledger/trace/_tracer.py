@@ -26,6 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger.inventory import dtype_name, storage_key
 from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
+from trainledger.trace._kernels import (
+    NEEDS_REAL_INPUTS,
+    PROBED_OPS,
+    REAL_STORAGE_OPS,
+    KernelCall,
+    real_output_bytes,
+)
 from trainledger.trace._scopes import ModuleScopes
 
 ProgressFn = Callable[[str, int], None]
@@ -68,14 +75,17 @@ class StepTracer(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
-    def __init__(self, scopes: ModuleScopes, *, progress: ProgressFn | None = None) -> None:
+    def __init__(self, scopes: ModuleScopes, *, fake: bool = False, progress: ProgressFn | None = None) -> None:
         super().__init__()
+        self.fake = fake
         self.scopes = scopes
         scopes.clock = self._clock
         self.phase = "forward"
         self.events: list[Event] = []
         self.event_calls: list[int] = []  # per event, the module call it ran in (NO_CALL: none)
         self.writes: list[tuple[int, _Storage]] = []  # in-place writes in forward: (event, storage)
+        self.kernel_calls: list[tuple[int, str, str, KernelCall | None]] = []  # kernels holding buffers inside
+        self.resized: list[tuple[KernelCall, list[_Storage | None]]] = []  # fake outputs the real kernel sizes
         self.storages: dict[int, _Storage] = {}  # live storages by key
         self.finished: list[_Storage] = []  # storages freed during the step
         self._refs: dict[int, weakref.ref[Any]] = {}
@@ -180,6 +190,9 @@ class StepTracer(TorchDispatchMode):
         op = _op_name(func)
         self.events.append(Event(index, self.phase, op, module))
         self.event_calls.append(call)
+        if op in PROBED_OPS:
+            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
+            self.kernel_calls.append((index, op, module, kernel))
         for t in _tensors(args, kwargs):
             if storage_key(t) not in self.storages and _has_storage(t):
                 # existed before the step without being declared: captured in a closure, RNG state…
@@ -203,6 +216,11 @@ class StepTracer(TorchDispatchMode):
                 key = storage_key(t)
                 if key not in self.storages:
                     self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=module)
+        if self.fake and op in REAL_STORAGE_OPS:
+            kernel = KernelCall.of(func, args, kwargs)
+            if kernel is not None:
+                outputs = [self.storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
+                self.resized.append((kernel, outputs))
         if self.phase == "backward" and func is _ADD and _same_meta(args, out):
             a, b = args[0], args[1]
             self._accumulations.append(
@@ -245,6 +263,20 @@ class StepTracer(TorchDispatchMode):
         """Stop listening for frees; storages still alive outlive the step."""
         self._active = False
         self._refs.clear()
+
+    def size_outputs_as_the_real_kernels(self) -> int:
+        """Fake traces: give outputs of :data:`REAL_STORAGE_OPS` the storage size their CPU kernel returns.
+        Returns how many storages changed."""
+        changed = 0
+        for kernel, outputs in self.resized:
+            sizes = real_output_bytes(kernel)
+            if sizes is None or len(sizes) != len(outputs):
+                continue
+            for rec, nbytes in zip(outputs, sizes, strict=True):
+                if rec is not None and rec.nbytes != nbytes:
+                    rec.nbytes = nbytes
+                    changed += 1
+        return changed
 
     def module_calls(self) -> tuple[ModuleCall, ...]:
         """Every module call of the step, with its backward span and the older state it wrote in place."""
