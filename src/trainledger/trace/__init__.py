@@ -20,11 +20,12 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
+from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
 
-__all__ = ["trace"]
+__all__ = ["MeasuredStep", "TraceReport", "trace"]
 
 LIMITATIONS = (
     "traced bytes are tensor storages as the allocator is asked for them; excluded: memory kernels "
