@@ -1,4 +1,4 @@
-"""``trainledger report``: re-open saved output and print it as the command that wrote it did."""
+"""``trainledger report``: re-open saved output and print it as the command that wrote it did, or as HTML."""
 
 from __future__ import annotations
 
@@ -13,27 +13,37 @@ from rich.text import Text
 from trainledger.commands import estimate, fit, pareto, plan, shard, state, trace
 from trainledger.commands.common import add_json_flag, print_json
 from trainledger.ledger import Ledger
-from trainledger.report.saved import RankComparison, Saved, open_saved
+from trainledger.report.saved import RankComparison, Saved, input_files, open_saved
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
-        help="re-open saved output: the command's tables again",
+        help="re-open saved output: the command's tables again, or a self-contained HTML page",
         description="Read what trainledger saved — any command's --json, a ledger (trace --export-json), a plan "
         "(plan --save), or a folder of per-rank ledgers — and print it as the command printed it.",
     )
     p.add_argument(
         "path", metavar="FILE|DIR", help="a JSON file trainledger wrote, or a folder of ledgers (every *.json)"
     )
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write a self-contained HTML page (.html): timeline, arrays live at any instant, sortable tables",
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainledger.report.exports import HTML_SUFFIXES, check_output_path
+    from trainledger.report.html import write_html
+
+    inputs = input_files(args.path)
+    html = check_output_path(args.html, HTML_SUFFIXES, what="HTML report", protect=inputs) if args.html else None
     saved = open_saved(args.path)
-    written: list[str] = []
+    written = [str(write_html(saved, html, protect=inputs))] if html is not None else []
     if args.json:
         out = to_dict(saved)
         out["written"] = written

@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-memory-viz", metavar="FILE", help="write a PyTorch memory snapshot (.pickle)")
     p.add_argument("--export-perfetto", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
     p.add_argument("--export-json", metavar="FILE", help="write the ledger, every entry with its interval (.json)")
+    p.add_argument(
+        "--html", metavar="FILE", help="write a self-contained HTML page: timeline, live arrays, sortable tables"
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
@@ -170,6 +173,7 @@ def _check_outputs(args: argparse.Namespace) -> ExportPaths:
         memory_viz=args.export_memory_viz,
         perfetto=args.export_perfetto,
         ledger_json=args.export_json,
+        html=args.html,
         protect=_inputs(args),
     )
 
