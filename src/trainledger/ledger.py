@@ -161,6 +161,35 @@ STATE_EVENT = Event(index=0, phase="state")
 
 
 @dataclass(frozen=True, slots=True)
+class ModuleCall:
+    """One call of a module's ``forward`` during the step, located on the event clock.
+
+    A module called several times in one step (a shared block, a policy run on two batches) has one
+    record per call; a container that is never called (a ``ModuleList``) has none.
+    """
+
+    path: str
+    """Module path as ``named_modules()`` names it (``(root)`` for the model itself)."""
+    index: int
+    """Which call of this module it is in the step, counted from 0 in forward order."""
+    parent: int | None
+    """Position in ``Ledger.calls`` of the call it ran inside, or ``None`` at the top."""
+    start: int
+    """First forward event inside the call."""
+    stop: int
+    """One past the last forward event inside the call (``start == stop``: it dispatched no op)."""
+    backward_start: int | None = None
+    """First backward event of the autograd nodes this call created (``None``: none ran)."""
+    backward_stop: int | None = None
+    """One past the last such backward event."""
+    grad: bool = True
+    """Whether autograd was recording when it was called (``False`` under ``no_grad``)."""
+    writes: tuple[str, ...] = ()
+    """Entries that existed before the call and that ops inside it wrote in place (a BatchNorm's running
+    statistics, an input modified in place): what running the call again would change a second time."""
+
+
+@dataclass(frozen=True, slots=True)
 class Peak:
     """The largest live total and the breakdown at that same event."""
 
@@ -348,6 +377,8 @@ class Ledger:
     """What the figures exclude or assume, stated for the reader."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Producer-specific facts (model name, graph node count, step time…); plain JSON-able values."""
+    calls: tuple[ModuleCall, ...] = ()
+    """Every module call of a traced step, in the order the calls began (empty for untraced ledgers)."""
 
     def __post_init__(self) -> None:
         if not self.events:
@@ -358,6 +389,9 @@ class Ledger:
                 raise ValueError(f"entry {e.name!r} allocated at event {e.alloc_event}, clock has {n}")
             if e.free_event is not None and not 0 <= e.free_event <= n:
                 raise ValueError(f"entry {e.name!r} freed at event {e.free_event}, clock has {n}")
+        for c in self.calls:
+            if not 0 <= c.start <= c.stop <= n or (c.backward_stop is not None and c.backward_stop > n):
+                raise ValueError(f"call of {c.path!r} spans events {c.start}..{c.stop}, clock has {n}")
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -510,6 +544,8 @@ class Ledger:
         if entries:
             out["entries"] = [e.to_dict() for e in self.entries]
             out["events"] = [asdict(ev) for ev in self.events]
+            if self.calls:
+                out["calls"] = [{**asdict(c), "writes": list(c.writes)} for c in self.calls]
         return out
 
     @classmethod
@@ -525,6 +561,7 @@ class Ledger:
             device=data["device"],
             notes=tuple(data.get("notes", ())),
             meta=dict(data.get("meta", {})),
+            calls=tuple(ModuleCall(**{**c, "writes": tuple(c.get("writes", ()))}) for c in data.get("calls", ())),
         )
 
     def to_json(self, **kw: Any) -> str:

@@ -181,18 +181,8 @@ class Planner:
         return self.to_plan(sol, budget_bytes=budget_bytes)
 
     def block_candidates(self) -> list[int]:
-        """The full-policy candidate of each block of the repeated container (what uniform checkpointing wraps)."""
-        cs = self.candidates
-        tops = set(cs.positions)
-        parents: dict[str, list[int]] = {}
-        for j, c in enumerate(cs.candidates):
-            if c.region.policy == "full" and c.region.path in tops:
-                parent = c.region.path.rpartition(".")[0]
-                parents.setdefault(parent, []).append(j)
-        repeated = [js for parent, js in parents.items() if len(js) >= 2 and parent]
-        if not repeated:
-            return [j for js in parents.values() for j in js]
-        return [j for js in repeated for j in js]
+        """The full-policy candidate of each block of the repeated stacks (what uniform checkpointing wraps)."""
+        return list(self.candidates.blocks)
 
 
 def _state_floor(plain: Ledger) -> int:

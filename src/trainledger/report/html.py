@@ -392,18 +392,19 @@ def _plan(data: dict[str, Any], result: Any) -> None:
         "floor_bytes": p.floor_bytes,
         "series": [{"name": "this plan", "points": [_point_of_plan(p)]}],
     }
-    rows_by = {(c["path"], c["policy"]): c for c in result.candidates}
+    rows_by = {(c["path"], c["policy"], c["call"]): c for c in result.candidates}
     columns = [("module", "text"), ("policy", "text"), ("saved bytes", "bytes"), ("recompute transient", "bytes")]
     columns += [("recompute FLOPs", "int"), ("recompute ms", "float")]
     rows = []
     for r in p.regions:
-        c = rows_by.get((r.path, r.policy))
+        c = rows_by.get((r.path, r.policy, r.call))
         figures = (
             (c["saved_bytes"], c["recompute_transient_bytes"], c["recompute_flops"], c["recompute_seconds"] * 1e3)
             if c is not None
             else (None, None, None, None)
         )
-        rows.append((r.path, "keep inputs only" if r.policy == "full" else "keep matmul outputs", *figures))
+        policy = "keep inputs only" if r.policy == "full" else "keep matmul outputs"
+        rows.append((r.label.removesuffix(" (selective)"), policy, *figures))
     data["tables"].append(_table("regions recomputed (non-reentrant torch.utils.checkpoint)", columns, rows))
     data["notes"] = list(p.notes)
 
@@ -413,7 +414,7 @@ def _point_of_plan(p: Any) -> dict[str, Any]:
         "peak_bytes": p.predicted_peak_bytes,
         "extra_seconds": p.extra_seconds,
         "extra_flops": p.extra_flops,
-        "regions": [r.path for r in p.regions],
+        "regions": [r.label for r in p.regions],
     }
 
 

@@ -113,6 +113,7 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
         evidence=Evidence.TRACED,
         device=devices.most_common(1)[0][0] if devices else "cpu",
         notes=(LIMITATIONS,),
+        calls=tracer.module_calls(),
         meta={
             "model": workload.name,
             "events_per_phase": dict(Counter(ev.phase for ev in tracer.events)),

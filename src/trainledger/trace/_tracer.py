@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger.inventory import dtype_name, storage_key
-from trainledger.ledger import Category, Entry, Event, Evidence
+from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
 from trainledger.trace._scopes import ModuleScopes
 
 ProgressFn = Callable[[str, int], None]
@@ -71,14 +71,20 @@ class StepTracer(TorchDispatchMode):
     def __init__(self, scopes: ModuleScopes, *, progress: ProgressFn | None = None) -> None:
         super().__init__()
         self.scopes = scopes
+        scopes.clock = self._clock
         self.phase = "forward"
         self.events: list[Event] = []
+        self.event_calls: list[int] = []  # per event, the module call it ran in (NO_CALL: none)
+        self.writes: list[tuple[int, _Storage]] = []  # in-place writes in forward: (event, storage)
         self.storages: dict[int, _Storage] = {}  # live storages by key
         self.finished: list[_Storage] = []  # storages freed during the step
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._accumulations: list[_Accumulation] = []
         self._active = True
         self._progress = progress
+
+    def _clock(self) -> int:
+        return len(self.events)
 
     # --- pre-existing state ------------------------------------------------------------------------
 
@@ -166,9 +172,14 @@ class StepTracer(TorchDispatchMode):
         if func.namespace in _NOT_OPS:
             return func(*args, **kwargs)
         index = len(self.events)
-        module = self.scopes.current if self.phase == "forward" else self.scopes.backward_scope()
+        forward = self.phase == "forward"
+        if forward:
+            module, call = self.scopes.current, self.scopes.current_call
+        else:
+            module, call = self.scopes.backward_scope()
         op = _op_name(func)
         self.events.append(Event(index, self.phase, op, module))
+        self.event_calls.append(call)
         for t in _tensors(args, kwargs):
             if storage_key(t) not in self.storages and _has_storage(t):
                 # existed before the step without being declared: captured in a closure, RNG state…
@@ -181,6 +192,11 @@ class StepTracer(TorchDispatchMode):
                     alloc_event=None,
                     owner=module,
                 )
+        if forward:
+            for t in _written(func, args, kwargs):
+                rec = self.storages.get(storage_key(t)) if _has_storage(t) else None
+                if rec is not None:
+                    self.writes.append((index, rec))
         out = func(*args, **kwargs)
         for t in _tensors(out):
             if _has_storage(t):
@@ -229,6 +245,11 @@ class StepTracer(TorchDispatchMode):
         """Stop listening for frees; storages still alive outlive the step."""
         self._active = False
         self._refs.clear()
+
+    def module_calls(self) -> tuple[ModuleCall, ...]:
+        """Every module call of the step, with its backward span and the older state it wrote in place."""
+        writes = [(e, rec.alloc_event, rec.name) for e, rec in self.writes]
+        return self.scopes.module_calls(self.event_calls, [ev.phase for ev in self.events], writes)
 
     def entries(self, evidence: Evidence = Evidence.TRACED) -> list[Entry]:
         self._fold_accumulations()
@@ -342,6 +363,34 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
 
 
 _OP_NAMES: dict[Any, str] = {}
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+# Ops that update running statistics in place although their schema does not say so (``Tensor?`` without
+# ``(a!)``): BatchNorm's legacy kernels, in training mode (argument 5, ``training``).
+_UNANNOTATED_WRITES = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"})
+_RUNNING_STATS = ((3, "running_mean"), (4, "running_var"))
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors the op writes in place: arguments its schema marks ``Tensor(a!)``, and the running
+    statistics of BatchNorm's kernels in training."""
+    where = _WRITTEN.get(func)
+    if where is None:
+        where = _WRITTEN[func] = _write_positions(func)
+    if not where:
+        return []
+    if where is _RUNNING_STATS and not (args[5] if len(args) > 5 else kwargs.get("training", False)):
+        return []
+    return _tensors(*(args[i] if i < len(args) else kwargs.get(name) for i, name in where))
+
+
+def _write_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    if func._schema.name in _UNANNOTATED_WRITES:
+        return _RUNNING_STATS
+    return tuple(
+        (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
 
 
 def _op_name(func: Any) -> str:
