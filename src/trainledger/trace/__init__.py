@@ -21,11 +21,12 @@ from trainledger.inventory import iter_state
 from trainledger.ledger import Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._kernels import KERNEL_INTERNAL, KernelCall, kernel_entries
+from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
 
-__all__ = ["KERNEL_INTERNAL", "trace"]
+__all__ = ["KERNEL_INTERNAL", "MeasuredStep", "TraceReport", "trace"]
 
 LIMITATIONS = (
     "traced bytes are tensor storages as the allocator is asked for them; excluded: memory kernels "
