@@ -1,10 +1,10 @@
 """Which CPU kernels allocate memory they free before returning, and does the trace now see it?
 
-``python -m benchmarks.kernel_workspace`` runs one training step of every built-in example under the
-profiler (``profile_memory=True``) and, for every op, compares the most the allocator held inside the op
-with what the op returned: ops that hold more are the ones whose kernels allocate internally (the list
-``trainledger.trace._kernels.PROBED_OPS`` came from this table). Then it traces each example with and
-without the measured kernel buffers and compares both peaks with the profiler oracle of
+``python -m benchmarks.kernel_workspace`` records every op of one training step of every built-in example
+and runs each distinct call again alone, under the profiler (``profile_memory=True``), comparing the most
+the allocator held inside the op with what the op returned: ops that hold more are the ones whose kernels
+allocate internally (the list of ops ``trace`` measures came from this table). Then it traces each example
+with and without the measured kernel buffers and compares both peaks with the profiler oracle of
 ``tests/oracle_profiler.py`` (a fresh process, the profiler started before the model is built).
 
 Writes ``benchmarks/results/kernel_workspace.md``.
@@ -12,7 +12,6 @@ Writes ``benchmarks/results/kernel_workspace.md``.
 
 from __future__ import annotations
 
-import bisect
 import json
 import subprocess
 import sys
@@ -20,39 +19,48 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger import examples
-from trainledger.trace import trace
+from trainledger.trace import KernelCall, kernel_internal_bytes, trace
 from trainledger.workload import run_step
 
 OUT = Path(__file__).parent / "results" / "kernel_workspace.md"
 COMMAND = "python -m benchmarks.kernel_workspace"
 
 
+class _Calls(TorchDispatchMode):
+    """Every op of a step, with the layout of its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[KernelCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in ("prim", "profiler"):
+            call = KernelCall.of(func, args, kwargs)
+            if call is not None:
+                self.calls.append(call)
+        return func(*args, **kwargs)
+
+
 def internal_by_op(name: str) -> dict[str, tuple[int, int]]:
-    """Per op name: (calls holding more than they return, the most any held above what it returned)."""
+    """Per op the trace sees: (distinct calls holding more than they return, the most any held).
+
+    Every distinct call of one step is run again alone and measured as ``trace`` measures the probed
+    ones (``trainledger.trace.kernel_internal_bytes``).
+    """
     w = examples.build(name)
     run_step(w)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _Calls() as mode:
         run_step(w)
-    events = prof.profiler.kineto_results.events()
-    ops = sorted((e for e in events if e.name().startswith("aten::")), key=lambda e: (e.start_ns(), -e.duration_ns()))
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    starts = [m.start_ns() for m in memory]
     found: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    end = -1
-    for op in ops:  # outermost aten ops only: their window holds every allocation of the ops inside
-        if op.start_ns() < end:
-            continue
-        end = op.start_ns() + op.duration_ns()
-        run = peak = 0
-        for m in memory[bisect.bisect_left(starts, op.start_ns()) : bisect.bisect_right(starts, end)]:
-            run += m.nbytes()
-            peak = max(peak, run)
-        if peak - max(run, 0) > 8:  # above a wrapped Python scalar
-            found[op.name()][0] += 1
-            found[op.name()][1] = max(found[op.name()][1], peak - max(run, 0))
+    for call, held in kernel_internal_bytes(mode.calls).items():
+        if held > 16:  # above the 12 bytes of a Python scalar wrapped as a tensor
+            op = str(call.op).removesuffix(".default")
+            found[op][0] += 1
+            found[op][1] = max(found[op][1], held)
     return {k: (v[0], v[1]) for k, v in found.items()}
 
 
@@ -71,9 +79,9 @@ def main() -> None:
         "",
         f"`{COMMAND}` (torch {torch.__version__}, {torch.get_num_threads()} threads).",
         "",
-        "## Ops that hold more inside than they return (profiler events of one step)",
+        "## Ops that hold more inside than they return (each distinct call of one step run alone)",
         "",
-        "| example | op | calls | most held above its outputs (B) |",
+        "| example | op | distinct calls | most held above its outputs (B) |",
         "|---|---|---:|---:|",
     ]
     for name in names:

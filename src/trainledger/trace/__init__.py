@@ -20,13 +20,22 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
-from trainledger.trace._kernels import KERNEL_INTERNAL, KernelCall, kernel_entries
+from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
+from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
 
-__all__ = ["KERNEL_INTERNAL", "MeasuredStep", "TraceReport", "trace"]
+__all__ = [
+    "KERNEL_INTERNAL",
+    "PROBED_OPS",
+    "KernelCall",
+    "MeasuredStep",
+    "TraceReport",
+    "kernel_internal_bytes",
+    "trace",
+]
 
 LIMITATIONS = (
     "traced bytes are tensor storages as the allocator is asked for them; excluded: memory kernels "

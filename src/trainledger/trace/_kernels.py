@@ -38,11 +38,14 @@ PROBED_OPS: frozenset[str] = frozenset(
     {
         "aten.convolution",
         "aten.convolution_backward",
+        "aten.embedding",
+        "aten.embedding_dense_backward",
+        "aten.mkldnn_rnn_layer",
+        "aten.mkldnn_rnn_layer_backward",
+        "aten.mse_loss",
         "aten.native_batch_norm",
         "aten.native_batch_norm_backward",
         "aten.native_layer_norm_backward",
-        "aten.mkldnn_rnn_layer",
-        "aten.mkldnn_rnn_layer_backward",
     }
 )
 
