@@ -158,22 +158,23 @@ def _trace(
     finally:
         scopes.close()
         tracer.stop()
-    if not tracer.events:
+    if not tracer.num_events:
         raise InputError("the step dispatched no tensor operations; nothing to trace")
 
     resized = tracer.size_outputs_as_the_real_kernels() if fake else 0
     entries = tracer.entries()
     devices = Counter(e.device for e in entries if e.category in (Category.WEIGHTS, Category.ACTIVATIONS))
+    events = tracer.events()
     ledger = Ledger(
         tuple(entries),
-        tuple(tracer.events),
+        tuple(events),
         evidence=Evidence.TRACED,
         device=devices.most_common(1)[0][0] if devices else "cpu",
         notes=(LIMITATIONS,) + ((_resized_note(resized),) if resized else ()),
         calls=tracer.module_calls(),
         meta={
             "model": workload.name,
-            "events_per_phase": dict(Counter(ev.phase for ev in tracer.events)),
+            "events_per_phase": dict(Counter(ev.phase for ev in events)),
             "traced_step_seconds": seconds,
             "optimizer": type(optimizer).__name__,
         },
