@@ -209,6 +209,17 @@ CASES = st.one_of(
         lambda t: case(["pareto", "--model", "mlp", f"--cost={t}"], t)
     ),
     WORD.map(lambda w: case(["pareto", "--model", "mlp", f"--plot={w}.gif"], f"{w}.gif")),
+    # report
+    WORD.map(lambda w: case(["report", f"missing_{w}.json"], f"missing_{w}.json")),
+    st.sampled_from(["{", "[1, 2]", "not json", '"text"', "", '{"schema": "other/1"}', '{"schema": 3}']).map(
+        lambda text: case(["report", "saved.json"], "saved.json", files={"saved.json": text})
+    ),
+    WORD.map(
+        lambda w: case(
+            ["report", "saved.json", f"--html={w}.txt"], f"{w}.txt", files={"saved.json": json.dumps(GOOD_CONFIG)}
+        )
+    ),
+    st.just(case(["report", "page.html", "--html=page.html"], "page.html", files={"page.html": "{}"})),
     # estimate and fit
     WORD.map(lambda w: case(["estimate", f"--hf-config=missing_{w}.json"], f"missing_{w}.json")),
     st.integers(min_value=MAX_SEQ_LEN.value + 1, max_value=10**15).map(

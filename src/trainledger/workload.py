@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +206,27 @@ def quiet_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def profiler_stderr_filtered(noise: str = "USDT:") -> Iterator[None]:
+    """The profiler's native layer prints ``USDT:`` trace lines straight to file descriptor 2, where no
+    Python setting reaches them: point fd 2 at a temporary file for the duration, then pass on every
+    line but those (so real warnings and errors still reach the user)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [line for line in capture.read().splitlines(keepends=True) if not line.startswith(noise.encode())]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def count_autograd_nodes(loss: torch.Tensor) -> int:

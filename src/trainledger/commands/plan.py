@@ -98,11 +98,11 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
     )
     items: list[Any] = [Text(head)]
     items.append(regions_table(p, result.candidates))
-    if p.predicted is not None:
-        pk = p.predicted.peak()
+    if result.predicted is not None:
+        pk = result.predicted.peak
         items.append(
             peak_text(
-                pk, evidence="predicted from the trace", maxima=p.predicted.category_maxima(), single_instant=False
+                pk, evidence="predicted from the trace", maxima=result.predicted.category_maxima, single_instant=False
             )
         )
     gap = "proved optimal" if p.optimal and not p.gap else f"optimality gap {100 * (p.gap or 0):.2f}%"
@@ -113,8 +113,12 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         "(ops up to each region's early stop, medians of repeated single-thread runs)",
         f"solver: {p.solver}, {gap}" + (f"; LP lower bound {p.lp_bound:.4g}" if p.lp_bound is not None else ""),
         f"floor: the lowest peak any plan reaches here is {p.floor_bytes or 0:,} bytes "
-        f"({both_units(p.floor_bytes or 0)}); persistent state and the largest op alone are "
-        f"{result.state_floor_bytes:,} bytes",
+        f"({both_units(p.floor_bytes or 0)})"
+        + (
+            f"; persistent state and the largest op alone are {result.state_floor_bytes:,} bytes"
+            if result.state_floor_bytes is not None
+            else ""
+        ),
     ]
     items.append(Text("\n".join(lines)))
     v = result.verification
@@ -122,7 +126,7 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         from trainledger.remat._verify import AGREEMENT
 
         yes = {True: "yes", False: "NO"}
-        device = p.predicted.device if p.predicted is not None else "cpu"
+        device = result.predicted.device if result.predicted is not None else "cpu"
         items.append(
             Text(
                 "\n".join(
@@ -161,6 +165,7 @@ def _first(names: tuple[str, ...], limit: int = 3) -> str:
 
 
 def regions_table(p: Plan, candidates: tuple[dict[str, Any], ...]) -> Table | Text:
+    """The recomputed regions with their costs (``-``: not saved; a ``plan --save`` file holds only the regions)."""
     if not p.regions:
         return Text("nothing to recompute: the plain step already fits")
     rows = {(c["path"], c["policy"], c["call"]): c for c in candidates}
@@ -168,16 +173,19 @@ def regions_table(p: Plan, candidates: tuple[dict[str, Any], ...]) -> Table | Te
     for col in ("module", "policy", "saved bytes", "recompute transient", "recompute FLOPs", "recompute ms"):
         table.add_column(col, justify="left" if col in ("module", "policy") else "right")
     for r in p.regions:
-        c = rows.get((r.path, r.policy, r.call), {})
+        c = rows.get((r.path, r.policy, r.call))
         policy = "keep inputs only" if r.policy == "full" else "keep matmul outputs"
         if r.restore:
             policy += f"; recomputes on a copy of {len(r.restore)} buffers"
+        if c is None:
+            table.add_row(r.label.removesuffix(" (selective)"), policy, "-", "-", "-", "-")
+            continue
         table.add_row(
             r.label.removesuffix(" (selective)"),
             policy,
-            f"{c.get('saved_bytes', 0):,}",
-            f"{c.get('recompute_transient_bytes', 0):,}",
-            f"{c.get('recompute_flops', 0):,}",
-            f"{c.get('recompute_seconds', 0.0) * 1e3:.3f}",
+            f"{c['saved_bytes']:,}",
+            f"{c['recompute_transient_bytes']:,}",
+            f"{c['recompute_flops']:,}",
+            f"{c['recompute_seconds'] * 1e3:.3f}",
         )
     return table

@@ -18,24 +18,18 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
-import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from trainledger.checks import whole_number
-from trainledger.ledger import Evidence, Ledger
-from trainledger.trace import trace
-from trainledger.workload import Workload, quiet_gc, require_workload, run_step
+from trainledger.ledger import Ledger
+from trainledger.trace import MeasuredStep, trace
+from trainledger.workload import Workload, profiler_stderr_filtered, quiet_gc, require_workload, run_step
 
 __all__ = ["Measurement", "measure"]
 
@@ -43,63 +37,15 @@ WINDOW = "trainledger.measured_step"
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """A measured step beside its trace."""
+class Measurement(MeasuredStep):
+    """A measured step beside its trace: the figures of :class:`MeasuredStep` and the trace's whole ledger."""
 
-    device: str
-    peak_bytes: int
-    """Live bytes at the measured peak (absolute)."""
-    start_bytes: int
-    """Live bytes when the step began."""
-    start_source: str
-    """``allocator`` (CUDA counters) or ``trace`` (CPU: the traced bytes live before the step's first op)."""
-    reserved_peak_bytes: int | None
-    """What the caching allocator held at most (CUDA only)."""
-    step_seconds: tuple[float, ...]
     traced: Ledger
-    step_threads: int = 1
-    """Intra-op threads the steps were timed with."""
+    """The trace taken beside the measurement (same weights, optimizer state and random numbers)."""
 
-    @property
-    def median_step_seconds(self) -> float:
-        return statistics.median(self.step_seconds)
-
-    @property
-    def step_spread_seconds(self) -> tuple[float, float, float]:
-        """Fastest, median and slowest step: a wide spread says the machine was busy."""
-        return min(self.step_seconds), self.median_step_seconds, max(self.step_seconds)
-
-    @property
-    def unseen_workspace_bytes(self) -> int:
-        """Measured minus traced peak: kernel-internal buffers and allocator rounding."""
-        return self.peak_bytes - self.traced.peak().bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        traced = self.traced.to_dict(entries=False)
-        by_cat = dict(traced["peak"]["by_category"])
-        by_cat["workspace_not_visible_as_tensors"] = self.unseen_workspace_bytes
-        return {
-            "schema": "trainledger.measure/1",
-            "evidence": str(Evidence.MEASURED),
-            "device": self.device,
-            "peak": {**traced["peak"], "bytes": self.peak_bytes, "by_category": by_cat},
-            "category_maxima": traced["category_maxima"],
-            "sum_of_category_maxima": traced["sum_of_category_maxima"],
-            "start_bytes": self.start_bytes,
-            "start_source": self.start_source,
-            "reserved_peak_bytes": self.reserved_peak_bytes,
-            "traced_peak_bytes": self.traced.peak().bytes,
-            "unseen_workspace_bytes": self.unseen_workspace_bytes,
-            "step_seconds": list(self.step_seconds),
-            "median_step_seconds": self.median_step_seconds,
-            "min_step_seconds": min(self.step_seconds),
-            "max_step_seconds": max(self.step_seconds),
-            "step_threads": self.step_threads,
-            "notes": [
-                "peak is the allocator's own count; by_category is the trace's breakdown at its peak, "
-                "plus the difference as workspace not visible as tensors"
-            ],
-        }
+    def summary(self) -> MeasuredStep:
+        """The figures reports print and save (``to_dict``), without the trace's entries."""
+        return MeasuredStep(**{f.name: getattr(self, f.name) for f in fields(MeasuredStep)})
 
 
 def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
@@ -123,8 +69,18 @@ def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
         rise = _cpu_rise(workload)
         start = sum(e.nbytes for e in ledger.entries if e.alloc_event is None)
         peak, reserved, start_source = start + rise, None, "trace"
-    times = _timed_steps(workload, device, num_steps)
-    return Measurement(device, peak, start, start_source, reserved, times, ledger, STEP_THREADS)
+    return Measurement(
+        device=device,
+        peak_bytes=peak,
+        start_bytes=start,
+        start_source=start_source,
+        reserved_peak_bytes=reserved,
+        step_seconds=_timed_steps(workload, device, num_steps),
+        step_threads=STEP_THREADS,
+        traced_peak=ledger.peak(),
+        traced_category_maxima=ledger.category_maxima(),
+        traced=ledger,
+    )
 
 
 STEP_THREADS = 1
@@ -196,32 +152,11 @@ def _cpu_rise(workload: Workload) -> int:
     """Largest rise of live CPU bytes above the step's start, from the profiler's memory events."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with _native_stderr_filtered(), quiet_gc():
+    with profiler_stderr_filtered(), quiet_gc():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function(WINDOW):
                 run_step(workload)
     return window_rise(prof, WINDOW)
-
-
-@contextlib.contextmanager
-def _native_stderr_filtered(noise: str = "USDT:") -> Iterator[None]:
-    """The profiler's native layer prints ``USDT:`` trace lines straight to file descriptor 2, where no
-    Python setting reaches them: point fd 2 at a temporary file for the duration, then pass on every
-    line but those (so real warnings and errors still reach the user)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            kept = [line for line in capture.read().splitlines(keepends=True) if not line.startswith(noise.encode())]
-            if kept:
-                os.write(2, b"".join(kept))
 
 
 def window_rise(prof: Any, window: str) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainledger.ledger import Ledger
+from trainledger.ledger import LedgerSummary
 from trainledger.remat._plan import Plan
 from trainledger.workload import Workload, call_model, compute_loss, run_step
 
@@ -32,8 +32,8 @@ AGREEMENT = 0.01
 class Verification:
     """What running the plan showed."""
 
-    traced: Ledger
-    """The step traced again with the plan applied."""
+    traced: LedgerSummary
+    """The figures of the step traced again with the plan applied."""
     predicted_peak_bytes: int
     traced_peak_bytes: int
     budget_bytes: int | None
@@ -92,6 +92,25 @@ class Verification:
             "planned_step_seconds": self.planned_step_seconds,
             "extra_step_seconds": self.extra_step_seconds,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, traced: LedgerSummary) -> Verification:
+        """Read ``to_dict()`` back; the re-traced step's figures are saved beside it (``traced``)."""
+        return cls(
+            traced=traced,
+            predicted_peak_bytes=int(data["predicted_peak_bytes"]),
+            traced_peak_bytes=int(data["traced_peak_bytes"]),
+            budget_bytes=data.get("budget_bytes"),
+            gradients_bitwise_equal=bool(data["gradients_bitwise_equal"]),
+            num_gradients=int(data["num_gradients"]),
+            mismatched=tuple(data["mismatched_gradients"]),
+            state_bitwise_equal=bool(data["state_bitwise_equal"]),
+            num_state=int(data["num_state_tensors"]),
+            mismatched_state=tuple(data["mismatched_state"]),
+            not_run=tuple(data["regions_not_run"]),
+            plain_step_seconds=float(data["plain_step_seconds"]),
+            planned_step_seconds=float(data["planned_step_seconds"]),
+        )
 
 
 def gradients(workload: Workload, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -223,7 +242,7 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
         plan.remove(workload.model)
     predicted = plan.predicted_peak_bytes if plan.predicted_peak_bytes is not None else traced.peak().bytes
     return Verification(
-        traced=traced,
+        traced=traced.summary(),
         predicted_peak_bytes=predicted,
         traced_peak_bytes=traced.peak().bytes,
         budget_bytes=plan.budget_bytes,

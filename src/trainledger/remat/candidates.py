@@ -44,6 +44,7 @@ from trainledger.ledger import Category, Entry, Event, Ledger, ModuleCall
 from trainledger.remat._plan import SAVED_OP_NAMES, Policy, Region
 from trainledger.remat._record import ForwardRecord, StorageRecord
 from trainledger.remat.solvers import Chain, LinearModel
+from trainledger.trace import KERNEL_INTERNAL
 
 CostKind = Literal["seconds", "flops"]
 ROOT = "(root)"
@@ -274,8 +275,8 @@ def _entry_info(plain: Ledger, record: ForwardRecord | None, num_fwd: int) -> di
     for s in record.storages:
         pool.setdefault((s.alloc_event, s.nbytes), []).append(s)
     for i, e in enumerate(plain.entries):
-        if e.alloc_event is None or e.alloc_event >= num_fwd:
-            continue
+        if e.alloc_event is None or e.alloc_event >= num_fwd or e.role == KERNEL_INTERNAL:
+            continue  # (a kernel's own buffer is no storage the recorded forward saw)
         recs = pool.get((e.alloc_event, e.nbytes))
         if recs:
             s = recs.pop(0)
@@ -367,8 +368,14 @@ def _mixed(info: dict[int, _EntryInfo], i: int, inside: frozenset[int]) -> bool:
 
 
 def _cached(plain: Ledger, i: int, policy: Policy) -> bool:
+    """A selective region keeps this output of a matmul-like op (not the kernel's own buffers)."""
     e = plain.entries[i]
-    return policy == "selective" and e.alloc_event is not None and plain.events[e.alloc_event].op in SAVED_OP_NAMES
+    return (
+        policy == "selective"
+        and e.alloc_event is not None
+        and plain.events[e.alloc_event].op in SAVED_OP_NAMES
+        and e.role != KERNEL_INTERNAL
+    )
 
 
 def _inputs_of(plain: Ledger, record: ForwardRecord | None, c: Candidate) -> tuple[int, ...]:
@@ -376,7 +383,11 @@ def _inputs_of(plain: Ledger, record: ForwardRecord | None, c: Candidate) -> tup
         return ()
     f0, f1 = c.fwd
     reads = {a for f in range(f0, f1 + 1) for a in record.inputs[f] if a < f0}
-    return tuple(i for i, e in enumerate(plain.entries) if e.alloc_event is not None and e.alloc_event in reads)
+    return tuple(
+        i
+        for i, e in enumerate(plain.entries)
+        if e.alloc_event is not None and e.alloc_event in reads and e.role != KERNEL_INTERNAL
+    )
 
 
 # --- replaying a plan on the trace ------------------------------------------------------------------------
@@ -531,6 +542,8 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
             )
         elif a <= s:  # recomputed but not saved: a temporary of the recomputation
             end = ph(uf) if uf <= s else rec_end
+            if e.free_event == a + 1:  # lived one op (a kernel's own buffer, a dropped output): again so
+                end = ph(a) + 1
             extra.append(
                 _moved(
                     e,

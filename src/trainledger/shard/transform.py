@@ -39,7 +39,7 @@ import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from trainledger.checks import instance_of, one_of, whole_number
 from trainledger.errors import InputError
@@ -47,7 +47,10 @@ from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
 from trainledger.shard._partition import greedy_owners, rank_boundaries, shard_rows
-from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
+from trainledger.shard.comm import Collective
+
+if TYPE_CHECKING:
+    from trainledger.shard._summary import ShardSummary
 from trainledger.units import dtype_bytes
 
 Strategy = Literal["zero0", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "hybrid_shard"]
@@ -299,45 +302,16 @@ class ShardResult:
             if e.category in _MODEL_STATE and e.role != "gathered" and e.alloc_event is None
         )
 
+    def summary(self) -> ShardSummary:
+        """What the reports print of this result: rank 0's tables, each class of identical ranks' peak, the
+        collectives."""
+        from trainledger.shard._summary import ShardSummary
+
+        return ShardSummary.of(self)
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON form: rank 0's ledger keys at the top, every rank's summary under ``ranks``."""
-        out = self.ranks[0].to_dict(entries=False)
-        out["shard"] = {
-            "strategy": self.config.strategy,
-            "engine": self.config.engine,
-            "label": self.label,
-            "world_size": self.config.world_size,
-            "num_nodes": self.config.num_nodes,
-            "units": list(self.units),
-        }
-        out["ranks"] = [
-            {
-                "rank": first,
-                "last_rank": last,
-                "num_ranks": count,
-                "predicted_peak_bytes": led.peak().bytes,
-                "model_state_bytes": self.model_state_bytes(first),
-                "peak": led.to_dict(entries=False)["peak"],
-                "by_category": {k[0]: v for k, v in led.bytes_by("category").items()},
-            }
-            for first, last, count, led in self.rank_classes()
-        ]
-        out["collectives"] = [
-            {
-                "kind": c.kind,
-                "phase": c.phase,
-                "label": c.label,
-                "payload_bytes": c.payload_bytes,
-                "wire_bytes": c.wire_bytes,
-                "group_size": c.group_size,
-                "num_calls": c.num_calls,
-            }
-            for c in self.collectives
-        ]
-        out["collective_payload_bytes"] = payload_by_kind(self.collectives)
-        out["collective_wire_bytes"] = wire_by_kind(self.collectives)
-        out["notes"] = [*out["notes"], *self.notes]
-        return out
+        """JSON form: rank 0's ledger keys at the top, each class of identical ranks under ``ranks``."""
+        return self.summary().to_dict()
 
 
 _MODEL_STATE = (Category.WEIGHTS, Category.FROZEN, Category.GRADIENTS, Category.OPTIMIZER)
