@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from trainledger.declared import StateSpec, declared_ledger
@@ -111,7 +113,7 @@ def _traced() -> Ledger:
     Events: 0 root fwd, 1–2 h.0 fwd, 3–4 h.1 fwd, 5–6 h.1 bwd, 7–8 h.0 bwd, 9 root bwd, 10 optimizer.
     An activation of 100 bytes is live over [1, 8).
     """
-    mods = ["", "h.0", "h.0", "h.1", "h.1", "h.1", "h.1", "h.0", "h.0", "", ""]
+    mods = ["(root)", "h.0", "h.0", "h.1", "h.1", "h.1", "h.1", "h.0", "h.0", "(root)", ""]
     phases = ["forward"] * 5 + ["backward"] * 5 + ["optimizer"]
     events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
     entries = []
@@ -306,3 +308,37 @@ def test_units_without_input_grads_are_reduced_at_the_end():
     assert life["h.0.a.grad"] == (18, 24)
     assert life["reduce-scatter input <root>"] == (21, 23)
     assert life["reduce-scatter input h.0"] == (23, 25)
+
+
+def test_loss_outside_the_model_runs_between_the_roots_hooks():
+    """``Workload(loss_fn=...)``: the loss's forward runs after the root's post-forward, and its backward
+    (and the seed of backward) before the root's pre-backward, which fires when the gradient reaches the
+    model's output. Old events: 0 root, 1–2 h.0, 3–4 h.1, 5 the loss (module ""); backward: 6 the seed
+    (""), 7 the loss (``(loss)``), 8–9 h.1, 10–11 h.0, 12 root; 13 optimizer."""
+    base = _traced()
+    mods = ["(root)", "h.0", "h.0", "h.1", "h.1", "", "", "(loss)", "h.1", "h.1", "h.0", "h.0", "(root)", ""]
+    phases = ["forward"] * 6 + ["backward"] * 7 + ["optimizer"]
+    events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
+    moved = {5: 8, 7: 10, 9: 12, 1: 1, 8: 11, 10: 13}  # old event of _traced() -> here
+    entries = tuple(
+        e if e.alloc_event is None else replace(e, alloc_event=moved[e.alloc_event], free_event=moved.get(e.free_event))
+        for e in base.entries
+    )
+    logits = Entry("logits", Category.ACTIVATIONS, "saved", "float32", 250, 1000, alloc_event=4, free_event=8)
+    led = Ledger((*entries, logits), events, evidence=Evidence.TRACED)
+    r0 = shard(led, world_size=2, strategy="full_shard").ranks[0]
+    # new clock: 0 gather root, 1 [0], 2 gather h.0, 3 [1], 4 [2], 5 gather h.1, 6 [3], 7 [4], 8 [5],
+    # 9 [6], 10 [7], 11 gather root (bwd), 12 prefetch, 13 gather h.1 (bwd), 14 prefetch, 15 [8], …
+    assert [(ev.op, ev.module) for ev in r0.events[8:12]] == [
+        ("op", ""),
+        ("op", ""),
+        ("op", "(loss)"),
+        ("fsdp.all_gather", "(root)"),
+    ]
+    life = {e.name: (e.alloc_event, e.free_event) for e in r0.entries if e.owner == "shard"}
+    # the root's post-forward, before the loss: its parameters and the last unit's flat buffer are freed
+    assert life["gathered params <root> (forward)"] == (0, 8)
+    assert life["all-gather output h.1 (forward)"] == (5, 8)
+    assert life["gathered params <root> (backward)"] == (11, 26)
+    # nothing FSDP gathers is live while the loss runs, forward or backward
+    assert not [e.name for e in r0.entries if e.owner == "shard" and any(e.live_at(i) for i in (8, 9, 10))]

@@ -8,7 +8,7 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
 - pre-forward of unit ``u``: all-gather into a flat buffer ``F_u`` (``S_u`` bytes: every parameter's
   padded shard times ``N``), copied out into the unsharded parameters ``P_u`` (``S_u`` again). In
   forward ``F_u`` is kept until the next unit's copy-out (``AllGatherState``), the last one until the
-  end of forward;
+  root's post-forward (when the model returns: a loss computed outside it runs after);
 - post-forward: ``P_u`` freed when resharding after forward (stage 3 / FULL_SHARD);
 - pre-backward (two events): gather again (unless prefetched) and copy out, freeing ``F_u`` at once;
   then prefetch the next ``backward_prefetch`` units in backward order (their ``F`` live until their
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from trainledger.ledger import Category, Entry, Event, Evidence
+from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Evidence
 from trainledger.shard._partition import shard_rows
 from trainledger.units import dtype_bytes
 
@@ -95,7 +95,7 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
         pres = sorted((h for h in hooks if h.kind != "post_backward"), key=lambda h: len(h.unit))
         for h in (*posts, *pres):
             at[(h.kind, h.unit)] = len(events)
-            label = h.unit or "(root)"  # as the tracer names the root module
+            label = h.unit or ROOT_SCOPE  # as the tracer names the root module
             if h.kind == "post_backward":
                 events.append(Event(len(events), "backward", "fsdp.reduce_scatter_copy_in", label))
                 events.append(Event(len(events), "backward", "fsdp.reduce_scatter", label))
@@ -109,7 +109,11 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             events.append(replace(led.events[i], index=len(events)))
     new_of[num_old] = len(events)
     total = len(events)
-    end_forward = gap_start[next((i for i, ph in enumerate(phases_old) if ph != "forward"), num_old)]
+    # the root's post-forward (when the model returns, before a loss computed outside it) frees the last
+    # unit's flat buffer
+    root_fwd = spans.get(("", "forward"))
+    first_after = next((i for i, ph in enumerate(phases_old) if ph != "forward"), num_old)
+    end_forward = gap_start[root_fwd[1] + 1 if root_fwd else first_after]
     end_backward = max([gap_start[min(last_bwd + 1, num_old)]] + [at[k] + 2 for k in at if k[0] == "post_backward"])
 
     def remap(e: Entry) -> Entry:

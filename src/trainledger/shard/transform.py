@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from trainledger.errors import InputError
-from trainledger.ledger import Category, Entry, Evidence, Ledger
+from trainledger.ledger import ROOT_SCOPE, Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
 from trainledger.shard._partition import greedy_owners, shard_rows
@@ -222,6 +222,18 @@ def unit_of(name: str, units: Sequence[str]) -> str:
     return best
 
 
+def in_model(module: str) -> bool:
+    """Whether an event's module (as the tracer names it) is part of the model: ``(root)`` or a submodule
+    path. ``""`` is outside every module (a ``loss_fn``'s forward ops, the seed of backward) and ``(loss)``
+    the backward of a loss computed outside the model.
+
+    Example:
+        >>> [in_model(m) for m in ("(root)", "blocks.0.attn", "", "(loss)")]
+        [True, True, False, False]
+    """
+    return module == ROOT_SCOPE or (module != "" and not module.startswith("("))
+
+
 # --- the transform -------------------------------------------------------------------------------------
 
 
@@ -366,14 +378,30 @@ class _Context:
         return None
 
     def _spans(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """``(unit, phase) -> (first event, last event)`` of each unit's ops; the root spans the phase."""
+        """``(unit, phase) -> (first event, last event)`` of each unit's ops; the root spans the model's ops.
+
+        Ops outside the model — a loss computed by ``loss_fn`` (module ``""`` in forward, ``(loss)`` in
+        backward) and the seed of backward (``ones_like``, module ``""``) — belong to no unit: the root's
+        forward hook runs when the model returns, before them, and its pre-backward hook when the gradient
+        reaches the model's output, after them. A ledger whose ops name no module at all keeps the root
+        spanning each phase.
+        """
         spans: dict[tuple[str, str], tuple[int, int]] = {}
+        whole: dict[str, tuple[int, int]] = {}
+
+        def widen(table: dict[Any, tuple[int, int]], key: Any, index: int) -> None:
+            lo, hi = table.get(key, (index, index))
+            table[key] = (min(lo, index), max(hi, index))
+
         for ev in self.ledger.events:
             if ev.phase not in ("forward", "backward"):
                 continue
-            for key in {(unit_of(ev.module, self.units), ev.phase), ("", ev.phase)}:
-                lo, hi = spans.get(key, (ev.index, ev.index))
-                spans[key] = (min(lo, ev.index), max(hi, ev.index))
+            widen(whole, ev.phase, ev.index)
+            if in_model(ev.module):
+                widen(spans, (unit_of(ev.module, self.units), ev.phase), ev.index)
+                widen(spans, ("", ev.phase), ev.index)
+        for phase, span in whole.items():
+            spans.setdefault(("", phase), span)
         return spans
 
     def unit_params(self) -> dict[str, list[Entry]]:

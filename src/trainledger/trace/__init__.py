@@ -18,9 +18,9 @@ import torch
 
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state
-from trainledger.ledger import Category, Evidence, Ledger
+from trainledger.ledger import LOSS_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
-from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
+from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from trainledger.ledger import ROOT_SCOPE
 from trainledger.workload import iter_tensors
 
 LABEL = "trainledger.module"
-LOSS_SCOPE = "(loss)"
 
 
 class ModuleScopes:
@@ -31,7 +31,7 @@ class ModuleScopes:
         self.param_owner: dict[int, str] = {}
         for prefix, root in roots:
             for name, mod in root.named_modules(remove_duplicate=False):
-                path = ".".join(p for p in (prefix, name) if p) or prefix or "(root)"
+                path = ".".join(p for p in (prefix, name) if p) or prefix or ROOT_SCOPE
                 self.names.setdefault(id(mod), path)
                 for _name, p in mod.named_parameters(recurse=False):
                     self.param_owner.setdefault(id(p), path)
