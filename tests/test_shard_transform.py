@@ -342,3 +342,17 @@ def test_loss_outside_the_model_runs_between_the_roots_hooks():
     assert life["gathered params <root> (backward)"] == (11, 26)
     # nothing FSDP gathers is live while the loss runs, forward or backward
     assert not [e.name for e in r0.entries if e.owner == "shard" and any(e.live_at(i) for i in (8, 9, 10))]
+
+
+def test_fsdp_optimizer_temporaries_have_the_ranks_real_rows():
+    """FSDP2's optimizer updates each parameter's local shard: a temporary shaped like a parameter has that
+    shape's real rows on the rank (a: 5 rows, rank 0 holds 3, rank 1 holds 2), a scalar stays whole."""
+    led = _traced()
+    temps = (
+        Entry("sqrt", Category.WORKSPACE, "optimizer_temporary", "float32", 10, 40, alloc_event=10, shape=(5, 2)),
+        Entry("bias_correction", Category.WORKSPACE, "optimizer_temporary", "float32", 1, 4, alloc_event=10, shape=()),
+    )
+    led = led.with_entries((*led.entries, *temps))
+    ranks = shard(led, world_size=2, strategy="full_shard").ranks
+    sizes = [{e.name: e.nbytes for e in r.entries if e.role == "optimizer_temporary"} for r in ranks]
+    assert sizes == [{"sqrt": 3 * 2 * 4, "bias_correction": 4}, {"sqrt": 2 * 2 * 4, "bias_correction": 4}]

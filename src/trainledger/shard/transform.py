@@ -28,12 +28,14 @@ Engines (the padding and buffers differ; the arithmetic of the paper is the same
   ``ceil(d0 / N)`` rows, padded; one all-gather and one reduce-scatter per unit).
 
 Known limitations: allocator rounding is not modelled; optimizer-phase workspace is scaled by the
-fraction of optimizer state a rank keeps (an approximation); DeepSpeed's parameter persistence
-threshold and live-parameter limit (stage 3) are not modelled.
+fraction of optimizer state a rank keeps, except under FSDP2, whose per-shard temporaries are sized
+exactly (see ``_Context._scale_optimizer_workspace``); DeepSpeed's parameter persistence threshold and
+live-parameter limit (stage 3) are not modelled.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -445,7 +447,7 @@ class _Context:
             else:
                 out.append(e)
         if opt_full and opt_kept != opt_full and self.traced:
-            out = self._scale_optimizer_workspace(out, opt_kept, opt_full)
+            out = self._scale_optimizer_workspace(out, opt_kept, opt_full, srank)
         events = self.ledger.events
         if fsdp_timeline:
             events, out = fsdp_rank_timeline(self, srank, out)
@@ -483,14 +485,24 @@ class _Context:
         )
         return [full, part]
 
-    def _scale_optimizer_workspace(self, out: list[Entry], kept: int, full: int) -> list[Entry]:
-        """Temporaries of the optimizer step (foreach buffers) scale with the state a rank updates."""
+    def _scale_optimizer_workspace(self, out: list[Entry], kept: int, full: int, srank: int) -> list[Entry]:
+        """Temporaries of the optimizer step, as the rank's optimizer makes them.
+
+        FSDP2's optimizer runs on each parameter's local shard (its real rows): a temporary shaped like a
+        trainable parameter (``exp_avg_sq.sqrt()``, a foreach buffer) has the real rows of that shape on
+        this rank, and one of any other shape (a scalar) is kept whole. The other engines' temporaries
+        scale with the fraction of optimizer state the rank updates (an approximation).
+        """
         phases = [ev.phase for ev in self.ledger.events]
+        shapes = {p.shape for p in self.params if p.category == Category.WEIGHTS and p.shape}
         scaled = []
         for e in out:
             if e.category == Category.WORKSPACE and e.alloc_event is not None and phases[e.alloc_event] == "optimizer":
-                nbytes = e.nbytes * kept // full
-                e = replace(e, nbytes=nbytes, numel=e.numel * kept // full)
+                if self.plan.partition != "dim0":
+                    e = replace(e, nbytes=e.nbytes * kept // full, numel=e.numel * kept // full)
+                elif e.shape in shapes and math.prod(e.shape) == e.numel:
+                    real = shard_rows(e.numel, e.shape, self.plan.shard_size, srank, "dim0")[1]
+                    e = _resized(e, real)
             scaled.append(e)
         return scaled
 

@@ -183,6 +183,9 @@ class StepTracer(TorchDispatchMode):
                 )
         out = func(*args, **kwargs)
         for t in _tensors(out):
+            # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's, new
+            # when the op made it (an FSDP rank's optimizer temporaries)
+            t = local_tensor(t)
             if _has_storage(t):
                 key = storage_key(t)
                 if key not in self.storages:
