@@ -178,13 +178,14 @@ def test_full_shard_timeline_by_hand():
     assert life["reduce-scatter input h.0"] == (20, 23, 48)
     assert life["reduce-scatter input <root>"] == (23, 25, 32)
     grads = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.category == Category.GRADIENTS}
-    assert grads["h.1.b.grad"] == (12, 15, 48) and grads["h.1.b.grad (shard)"] == (15, None, 24)
+    # each unit's only (so last) gradient outlives the copy-in until its post-backward returns
+    assert grads["h.1.b.grad"] == (12, 16, 48) and grads["h.1.b.grad (shard)"] == (15, None, 24)
     assert grads["r.grad (shard)"] == (24, None, 16)
     persistent = (2 + 3 + 3) * 8 + 2 * (2 + 3 + 3) * 8 + 3 * 4  # sharded weights, rank 0's moments and steps
     # at event 13 (old 6, h.1's backward, h.0 prefetched): root and h.1 gathered, h.0's buffer, h.1's gradient
     assert r0.totals()[13] == persistent + 32 + 48 + 48 + 48 + 100
-    # at h.1's reduce-scatter: root gathered, h.0's buffer, the input, h.1's shard, the activation
-    assert r0.totals()[15] == persistent + 32 + 48 + 48 + 24 + 100
+    # at h.1's reduce-scatter: root gathered, h.0's buffer, the input, h.1's gradient and shard, the activation
+    assert r0.totals()[15] == persistent + 32 + 48 + 48 + 48 + 24 + 100
     # gloo reduce-scatters a full-size copy of its input: 48 more bytes for that one event
     gloo = shard(led, world_size=2, strategy="full_shard", reduce_scatter_copy=True).ranks[0]
     assert gloo.totals()[15] == r0.totals()[15] + 48 and gloo.totals()[16] == r0.totals()[16]
@@ -305,7 +306,7 @@ def test_units_without_input_grads_are_reduced_at_the_end():
     ]
     life = {e.name: (e.alloc_event, e.free_event) for e in led.entries}
     assert life["gathered params h.0 (backward)"] == (16, 23)
-    assert life["h.0.a.grad"] == (18, 24)
+    assert life["h.0.a.grad"] == (18, 25)  # its unit's last gradient: until the hook returns
     assert life["reduce-scatter input <root>"] == (21, 23)
     assert life["reduce-scatter input h.0"] == (23, 25)
 
@@ -356,3 +357,20 @@ def test_fsdp_optimizer_temporaries_have_the_ranks_real_rows():
     ranks = shard(led, world_size=2, strategy="full_shard").ranks
     sizes = [{e.name: e.nbytes for e in r.entries if e.role == "optimizer_temporary"} for r in ranks]
     assert sizes == [{"sqrt": 3 * 2 * 4, "bias_correction": 4}, {"sqrt": 2 * 2 * 4, "bias_correction": 4}]
+
+
+def test_fsdp_keeps_a_units_last_gradient_through_its_reduce_scatter():
+    """``foreach_reduce``'s loop variable holds the unit's last gradient (in the model's parameter order)
+    until the post-backward hook returns; the others are dropped after the copy-in."""
+    led = _traced()
+    c = Entry("h.1.c", Category.WEIGHTS, "param", "float32", 4, 16, shape=(2, 2))
+    c_grad = Entry("h.1.c.grad", Category.GRADIENTS, "grad", "float32", 4, 16, alloc_event=6)
+    for order, kept in (
+        (["r", "h.0.a", "h.1.b", "h.1.c"], "h.1.c.grad"),
+        (["r", "h.0.a", "h.1.c", "h.1.b"], "h.1.b.grad"),
+    ):
+        ranked = led.with_entries((*led.entries, c, c_grad), meta={"parameter_order": order})
+        r0 = shard(ranked, world_size=2, strategy="full_shard").ranks[0]
+        # h.1's post-backward: copy-in at 14, reduce-scatter at 15
+        free = {e.name: e.free_event for e in r0.entries if e.name in ("h.1.b.grad", "h.1.c.grad")}
+        assert free == {"h.1.b.grad": 15, "h.1.c.grad": 15, kept: 16}

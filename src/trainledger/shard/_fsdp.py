@@ -15,8 +15,9 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
   own pre-backward's copy-out);
 - post-backward: ``P_u`` freed (reshard), the previous unit's reduce-scatter input freed (FSDP2 keeps
   one in flight), the new input ``R_u`` (``G_u``: padded gradients times ``N``) allocated and the
-  gradients copied in; then the unsharded gradients are freed and the sharded output (``G_u / N``,
-  the rank's gradients until ``zero_grad``) allocated; ``R_u`` lives until the next post-backward or
+  gradients copied in; then the unsharded gradients are freed (all but the unit's last, which a loop
+  variable holds until the hook returns) and the sharded output (``G_u / N``, the rank's gradients
+  until ``zero_grad``) allocated; ``R_u`` lives until the next post-backward or
   the end of backward. With ``reduce_scatter_copy`` (gloo), the reduce-scatter works on a full-size
   copy of its input for the duration of the call.
 """
@@ -185,9 +186,9 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             copy = f"reduce-scatter copy {label}"
             buf(copy, "reduce_scatter_copy", comm, gdtype, g_numel[u] * gsize, c + 1, c + 2)
     # --- gradients: unsharded until their unit's reduce-scatter, then the rank's shard ---
-    for e in ctx.ledger.entries:
-        if e.category != Category.GRADIENTS:
-            continue
+    grads = [e for e in ctx.ledger.entries if e.category == Category.GRADIENTS]
+    kept = _kept_to_the_end(ctx, grads)
+    for e in grads:
         p = ctx.param_of(e)
         like = p if p is not None else e
         unit = unit_of(like.name, ctx.units)
@@ -197,7 +198,12 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             out.append(r)
             continue
         rs = post + 1
-        full = replace(r, free_event=max(r.alloc_event or 0, min(rs, total if r.free_event is None else r.free_event)))
+        # the copied-in gradients are dropped before the reduce-scatter, except the one ``foreach_reduce``'s
+        # loop variable still holds: it goes when the hook returns, after the reduce-scatter
+        drop = rs + 1 if e.name in kept else rs
+        full = replace(
+            r, free_event=max(r.alloc_event or 0, min(drop, total if r.free_event is None else r.free_event))
+        )
         shard_numel = ctx.held(e, like, srank)
         size = e.nbytes // e.numel if e.numel else gsize
         part = replace(
@@ -217,3 +223,24 @@ def order_of(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[
     """Units in the order they start in ``phase`` (the root first: its hooks run before its children's)."""
     units = [(span[0], unit != "", unit) for (unit, ph), span in spans.items() if ph == phase]
     return [u for _, _, u in sorted(units)]
+
+
+def _kept_to_the_end(ctx: _Context, grads: list[Entry]) -> set[str]:
+    """The gradient of each unit that lives until its post-backward hook returns.
+
+    FSDP2's ``foreach_reduce`` walks the unit's gradients in a ``for`` loop before the copy-in; the loop
+    variable keeps the last one (in the unit's parameter order, the model's ``named_parameters()``)
+    alive after ``unsharded_grads.clear()``, through the reduce-scatter, until the function returns.
+    """
+    from trainledger.shard.transform import unit_of
+
+    last: dict[str, tuple[int, str]] = {}
+    for e in grads:
+        p = ctx.param_of(e)
+        if p is None or p.category != Category.WEIGHTS:
+            continue
+        unit = unit_of(p.name, ctx.units)
+        rank = ctx.param_order.get(p.name, -1)
+        if unit not in last or rank > last[unit][0]:
+            last[unit] = (rank, e.name)
+    return {name for _, name in last.values()}

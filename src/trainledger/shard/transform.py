@@ -359,6 +359,10 @@ class _Context:
         for p in self.params:
             for n in (p.name, *p.aliases):
                 self.param_by_name.setdefault(n, p)
+        # the model's parameter order (``named_parameters()``), which the engines follow; a traced ledger
+        # records it, others list their parameters in that order
+        order = ledger.meta.get("parameter_order") or [p.name for p in self.params]
+        self.param_order: dict[str, int] = {name: i for i, name in enumerate(order)}
         trainable = [p for p in self.params if p.category == Category.WEIGHTS]
         self.owner = dict(
             zip((p.name for p in trainable), greedy_owners([p.numel for p in trainable], plan.shard_size), strict=True)

@@ -117,6 +117,7 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
             "events_per_phase": dict(Counter(ev.phase for ev in tracer.events)),
             "traced_step_seconds": seconds,
             "optimizer": type(optimizer).__name__,
+            "parameter_order": [name for name, _ in model.named_parameters()],
         },
     )
 
