@@ -88,3 +88,19 @@ def test_fsdp_optimizer_temporaries_are_traced(one_rank_group):
     expected = _optimizer_temporaries(plain)
     assert len(expected) == 2 * 6  # sqrt and div of each of the three layers' weight and bias
     assert _optimizer_temporaries(sharded) == expected
+
+
+def test_settled_collectives_pause_after_each_wait_and_restore(one_rank_group):
+    import time
+
+    from torch._C._distributed_c10d import Work
+
+    from trainledger.shard._observe import settled_collectives
+
+    original = Work.wait
+    t = torch.ones(3)
+    with settled_collectives(seconds=0.05):
+        start = time.perf_counter()
+        dist.all_reduce(t, async_op=True).wait()
+        assert time.perf_counter() - start >= 0.05
+    assert Work.wait is original and t.tolist() == [1.0, 1.0, 1.0]

@@ -48,7 +48,7 @@ from torch import nn
 
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
-from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view
+from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view, settled_collectives
 from trainledger.shard.comm import Collective
 from trainledger.shard.transform import ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
 
@@ -407,7 +407,6 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
 
     Usable under ``torchrun`` too: initialise the process group, then call it on every rank.
     """
-    from trainledger.trace import trace
     from trainledger.workload import load_workload, run_step
 
     rank = dist.get_rank()
@@ -432,8 +431,7 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     ledger = None
     if cfg["trace"]:
         stage("the traced step")
-        with fsdp_storage_view(workload.model):
-            ledger = trace(workload)
+        ledger = _trace_settled(workload, cfg["backend"])
         ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "rank": rank})
     return {
         "rank": rank,
@@ -442,6 +440,26 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
         "collectives": [_collective_dict(c) for c in counter.collectives()],
         "ledger": ledger.to_dict() if ledger is not None else None,
     }
+
+
+TRACE_ATTEMPTS = 3
+"""Traces of a rank's step tried until no rank had a buffer freed by a communication thread."""
+
+
+def _trace_settled(workload: Any, backend: str) -> Ledger:
+    """Trace the step with FSDP2's storages in view and collectives settled; trace again, every rank
+    together, while some rank's trace still had a buffer freed by another thread (its note says so)."""
+    from trainledger.trace import trace
+
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    for _ in range(TRACE_ATTEMPTS):
+        with fsdp_storage_view(workload.model), settled_collectives():
+            ledger = trace(workload)
+        unsettled = torch.tensor([ledger.meta.get("frees_on_other_threads", 0)], device=device)
+        dist.all_reduce(unsettled, op=dist.ReduceOp.MAX)
+        if not unsettled.item():
+            break
+    return ledger
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

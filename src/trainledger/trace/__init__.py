@@ -111,14 +111,24 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
         tuple(tracer.events),
         evidence=Evidence.TRACED,
         device=devices.most_common(1)[0][0] if devices else "cpu",
-        notes=(LIMITATIONS,),
+        notes=(LIMITATIONS, *_elsewhere_note(tracer.frees_elsewhere)),
         meta={
             "model": workload.name,
             "events_per_phase": dict(Counter(ev.phase for ev in tracer.events)),
             "traced_step_seconds": seconds,
             "optimizer": type(optimizer).__name__,
             "parameter_order": [name for name, _ in model.named_parameters()],
+            **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
         },
+    )
+
+
+def _elsewhere_note(names: list[str]) -> tuple[str, ...]:
+    if not names:
+        return ()
+    return (
+        f"{len(names)} storage(s) were freed by another thread (a collective library's worker letting go "
+        f"after the step had dropped them), so their free events can vary between runs: {', '.join(names[:5])}",
     )
 
 

@@ -16,6 +16,7 @@ Known limitations:
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +80,10 @@ class StepTracer(TorchDispatchMode):
         self._accumulations: list[_Accumulation] = []
         self._active = True
         self._progress = progress
+        self._thread = threading.get_ident()
+        self.frees_elsewhere: list[str] = []
+        """Storages whose last reference was dropped by another thread (a collective library's worker):
+        their free event is when that thread let go, which can vary from run to run."""
 
     # --- pre-existing state ------------------------------------------------------------------------
 
@@ -132,6 +137,8 @@ class StepTracer(TorchDispatchMode):
                 return
             # live through the last event that ran; no longer live from the next one
             rec.free_event = len(self.events)
+            if threading.get_ident() != self._thread:
+                self.frees_elsewhere.append(rec.name)
             if self.storages.get(key) is rec:
                 del self.storages[key]
                 self._refs.pop(key, None)
