@@ -374,3 +374,16 @@ def test_fsdp_keeps_a_units_last_gradient_through_its_reduce_scatter():
         # h.1's post-backward: copy-in at 14, reduce-scatter at 15
         free = {e.name: e.free_event for e in r0.entries if e.name in ("h.1.b.grad", "h.1.c.grad")}
         assert free == {"h.1.b.grad": 15, "h.1.c.grad": 15, kept: 16}
+
+
+def test_a_one_element_parameters_step_counter_is_kept_whole():
+    """A (1,)-shaped parameter over 2 ranks: rank 1 holds no real row, yet its optimizer keeps the 0-dim
+    step counter (4 bytes); the moment, shaped like the parameter, has no real element there."""
+    entries = (
+        Entry("g", Category.WEIGHTS, "param", "float32", 1, 4, shape=(1,)),
+        Entry("optimizer.g.exp_avg", Category.OPTIMIZER, "exp_avg", "float32", 1, 4, shape=(1,)),
+        Entry("optimizer.g.step", Category.OPTIMIZER, "step", "float32", 1, 4, shape=()),
+    )
+    ranks = shard(Ledger(entries), world_size=2, strategy="full_shard", engine="torch").ranks
+    opt = [{e.role: e.nbytes for e in r.entries if e.category == Category.OPTIMIZER} for r in ranks]
+    assert opt == [{"exp_avg": 4, "step": 4}, {"exp_avg": 0, "step": 4}]

@@ -418,7 +418,9 @@ class _Context:
 
     def held(self, e: Entry, like: Entry, rank: int, *, real: bool = False) -> int:
         """Elements of ``e`` held on ``rank``, sharded the way its parameter ``like`` is."""
-        if e.numel != like.numel:  # scalar step counters and other non-full-length state: kept whole
+        # state that is not the parameter's length is kept whole: step counters, and a 0-dim counter of a
+        # one-element parameter (its rank may hold no real row of the parameter, but holds the counter)
+        if e.numel != like.numel or (e.numel == 1 and not e.shape and like.shape):
             return e.numel
         held, actual = shard_rows(like.numel, like.shape, self.plan.shard_size, rank, self.plan.partition)
         return actual if real else held
