@@ -387,3 +387,14 @@ def test_a_one_element_parameters_step_counter_is_kept_whole():
     ranks = shard(Ledger(entries), world_size=2, strategy="full_shard", engine="torch").ranks
     opt = [{e.role: e.nbytes for e in r.entries if e.category == Category.OPTIMIZER} for r in ranks]
     assert opt == [{"exp_avg": 4, "step": 4}, {"exp_avg": 0, "step": 4}]
+
+
+def test_fsdp_master_gradients_are_the_optimizers_own():
+    """A master-weight optimizer casts each gradient onto an fp32 copy in its step: that copy is made from
+    the rank's shard (its real rows) when the step runs, not placed on FSDP's backward timeline."""
+    led = _traced()
+    master_grad = Entry("h.0.a.master.grad", Category.GRADIENTS, "master_grad", "float32", 10, 40, alloc_event=10)
+    led = led.with_entries((*led.entries, master_grad))
+    ranks = shard(led, world_size=2, strategy="full_shard").ranks
+    got = [[(e.nbytes, r.events[e.alloc_event].phase) for e in r.entries if e.role == "master_grad"] for r in ranks]
+    assert got == [[(3 * 2 * 4, "optimizer")], [(2 * 2 * 4, "optimizer")]]

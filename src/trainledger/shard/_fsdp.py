@@ -186,7 +186,7 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             copy = f"reduce-scatter copy {label}"
             buf(copy, "reduce_scatter_copy", comm, gdtype, g_numel[u] * gsize, c + 1, c + 2)
     # --- gradients: unsharded until their unit's reduce-scatter, then the rank's shard ---
-    grads = [e for e in ctx.ledger.entries if e.category == Category.GRADIENTS]
+    grads = [e for e in ctx.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]
     kept = _kept_to_the_end(ctx, grads)
     for e in grads:
         p = ctx.param_of(e)

@@ -446,8 +446,12 @@ class _Context:
                     out.append(_resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
                 opt_kept += out[-1].nbytes
             elif cat == Category.GRADIENTS and plan.shard_grads:
-                if not fsdp_timeline:  # the FSDP timeline places gradients itself
+                if not fsdp_timeline:
                     out.extend(self._sharded_grad(e, srank))
+                elif e.role != "grad":  # the optimizer's own (a master copy's), made from the rank's shard
+                    like = self.param_of(e) or e
+                    out.append(_resized(e, self.held(e, like, srank, real=True)))
+                # the model's gradients: the FSDP timeline places them
             elif plan.shard_params and (cat == Category.WEIGHTS or _shardable_frozen(e)):
                 out.append(_resized(e, self.held(e, e, srank), role_suffix=""))
             else:
