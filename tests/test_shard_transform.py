@@ -398,3 +398,25 @@ def test_fsdp_master_gradients_are_the_optimizers_own():
     ranks = shard(led, world_size=2, strategy="full_shard").ranks
     got = [[(e.nbytes, r.events[e.alloc_event].phase) for e in r.entries if e.role == "master_grad"] for r in ranks]
     assert got == [[(3 * 2 * 4, "optimizer")], [(2 * 2 * 4, "optimizer")]]
+
+
+def test_a_reference_model_called_by_the_loss_is_outside_the_root():
+    """A frozen reference model run inside the loss (DPO, a proximal term) runs after the model returns:
+    the root's post-forward comes before its ops. Old events: 0 root, 1–2 h.0, 3–4 h.1, 5 reference.0."""
+    base = _traced()
+    mods = ["(root)", "h.0", "h.0", "h.1", "h.1", "reference.0", "h.1", "h.1", "h.0", "h.0", "(root)", ""]
+    phases = ["forward"] * 6 + ["backward"] * 5 + ["optimizer"]
+    events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
+    moved = {1: 1, 5: 6, 7: 8, 8: 9, 9: 10}
+    entries = tuple(
+        e if e.alloc_event is None else replace(e, alloc_event=moved[e.alloc_event], free_event=moved.get(e.free_event))
+        for e in base.entries
+    )
+    reference = Entry("reference.0.w", Category.FROZEN, "reference", "float32", 4, 16)
+    led = Ledger((*entries, reference), events, evidence=Evidence.TRACED)
+    r0 = shard(led, world_size=2, strategy="full_shard").ranks[0]
+    # new clock: 0 gather root, 1 [0], 2 gather h.0, 3 [1], 4 [2], 5 gather h.1, 6 [3], 7 [4], 8 [5] …
+    life = {e.name: (e.alloc_event, e.free_event) for e in r0.entries if e.owner == "shard"}
+    assert life["gathered params <root> (forward)"] == (0, 8)
+    assert life["all-gather output h.1 (forward)"] == (5, 8)
+    assert r0.events[8].module == "reference.0"

@@ -145,6 +145,8 @@ ROOT_SCOPE = "(root)"
 """``Event.module`` of ops in the root module's own forward and their backward."""
 LOSS_SCOPE = "(loss)"
 """``Event.module`` of the backward of a loss computed outside the model (``Workload.loss_fn``)."""
+REFERENCE_SCOPE = "reference"
+"""Module paths of a frozen reference model (``Workload.reference``) start with this, as its weights' names do."""
 
 STATE_EVENT = Event(index=0, phase="state")
 

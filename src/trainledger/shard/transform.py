@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from trainledger.errors import InputError
-from trainledger.ledger import ROOT_SCOPE, Category, Entry, Evidence, Ledger
+from trainledger.ledger import REFERENCE_SCOPE, ROOT_SCOPE, Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
 from trainledger.shard._partition import greedy_owners, shard_rows
@@ -224,15 +224,20 @@ def unit_of(name: str, units: Sequence[str]) -> str:
     return best
 
 
-def in_model(module: str) -> bool:
+def in_model(module: str, *, reference: bool = False) -> bool:
     """Whether an event's module (as the tracer names it) is part of the model: ``(root)`` or a submodule
-    path. ``""`` is outside every module (a ``loss_fn``'s forward ops, the seed of backward) and ``(loss)``
-    the backward of a loss computed outside the model.
+    path. ``""`` is outside every module (a ``loss_fn``'s forward ops, the seed of backward), ``(loss)``
+    the backward of a loss computed outside the model, and with ``reference`` (the step has a frozen
+    reference model) ``reference…`` that model's modules, which the loss calls.
 
     Example:
         >>> [in_model(m) for m in ("(root)", "blocks.0.attn", "", "(loss)")]
         [True, True, False, False]
+        >>> in_model("reference.0", reference=True)
+        False
     """
+    if reference and (module == REFERENCE_SCOPE or module.startswith(REFERENCE_SCOPE + ".")):
+        return False
     return module == ROOT_SCOPE or (module != "" and not module.startswith("("))
 
 
@@ -399,11 +404,12 @@ class _Context:
             lo, hi = table.get(key, (index, index))
             table[key] = (min(lo, index), max(hi, index))
 
+        reference = any(e.role == "reference" for e in self.ledger.entries)
         for ev in self.ledger.events:
             if ev.phase not in ("forward", "backward"):
                 continue
             widen(whole, ev.phase, ev.index)
-            if in_model(ev.module):
+            if in_model(ev.module, reference=reference):
                 widen(spans, (unit_of(ev.module, self.units), ev.phase), ev.index)
                 widen(spans, ("", ev.phase), ev.index)
         for phase, span in whole.items():

@@ -18,7 +18,7 @@ import torch
 
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state
-from trainledger.ledger import LOSS_SCOPE, Category, Evidence, Ledger
+from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
@@ -73,7 +73,7 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
     with _user_errors("the warm-up step"):
         run_step(workload)
 
-    roots = [("", model)] + ([("reference", reference)] if reference is not None else [])
+    roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots)
     tracer = StepTracer(scopes, progress=progress)
     for t, owner in iter_state(model, optimizer, reference=reference):
