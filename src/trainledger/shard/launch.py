@@ -54,6 +54,10 @@ from trainledger.shard.transform import ShardConfig, ShardResult, Strategy, infe
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
+WARMUP_STEPS = 2
+"""Steps a rank runs before its timed step: DDP rebuilds its buckets at the second."""
+STEPS_BEFORE_TRACE = WARMUP_STEPS + 1
+"""Steps every rank, and the single-process reference, runs before ``trace`` (which adds its own warm-up)."""
 """gloo ranks allowed per CPU core: CPU processes can share cores (slowly); more than this is refused."""
 
 
@@ -198,13 +202,18 @@ def run(config: RunConfig) -> RunResult:
         [r["traced_peak_bytes"] for r in result.to_dict()["ranks"]]
     """
     from trainledger.trace import trace
-    from trainledger.workload import load_workload
+    from trainledger.workload import load_workload, run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
-    reference = trace(load_workload(config.model))
+    # the reference step is taken at the ranks' point in training: what a data-dependent model (MoE
+    # routing) allocates depends on its weights
+    single = load_workload(config.model)
+    for _ in range(STEPS_BEFORE_TRACE):
+        run_step(single)
+    reference = trace(single)
     workload = load_workload(config.model)
     units = _units_of(workload.model)
     prediction = shard(
@@ -419,7 +428,7 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     stage("wrapping it for sharding")
     _wrap(workload, cfg["strategy"])
     stage("the warm-up steps")
-    for _ in range(2):  # DDP rebuilds its buckets at the second step: both before the timed one
+    for _ in range(WARMUP_STEPS):
         run_step(workload)
     stage("the timed step")
     counter = CollectiveCounter(dist.get_world_size())
