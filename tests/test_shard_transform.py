@@ -389,6 +389,50 @@ def test_a_one_element_parameters_step_counter_is_kept_whole():
     assert opt == [{"exp_avg": 4, "step": 4}, {"exp_avg": 0, "step": 4}]
 
 
+def _single_tensor_step() -> Ledger:
+    """Parameters a (10), b (4), c (6), Adam-like moments; the optimizer updates one after another.
+
+    Events: 0 forward, 1 backward, optimizer 2–4 a, 5–7 b, 8–10 c (sqrt, div, addcdiv each, attributed
+    to the parameter they update), 11 zero_grad. Each parameter's ``sqrt`` lives within its segment; its
+    ``denom`` (the div) lives until the next parameter's division is done (two events into the next
+    segment), the last one's until the step returns.
+    """
+    events = [Event(0, "forward", "mm", "(root)"), Event(1, "backward", "mm", "(root)")]
+    entries = []
+    sizes = {"a": 10, "b": 4, "c": 6}
+    for k, (name, n) in enumerate(sizes.items()):
+        s = 2 + 3 * k
+        events += [
+            Event(s + i, "optimizer", op, name) for i, op in enumerate(("aten.sqrt", "aten.div", "aten.addcdiv_"))
+        ]
+        entries.append(Entry(name, Category.WEIGHTS, "param", "float32", n, 4 * n, shape=(n,)))
+        entries.append(Entry(f"optimizer.{name}.exp_avg", Category.OPTIMIZER, "exp_avg", "float32", n, 4 * n))
+        temp = Category.WORKSPACE, "optimizer_temporary", "float32", n, 4 * n
+        entries.append(Entry(f"sqrt {name}", *temp, owner=name, alloc_event=s, free_event=s + 2, shape=(n,)))
+        denom_free = s + 3 + 2 if k < 2 else 11
+        entries.append(Entry(f"denom {name}", *temp, owner=name, alloc_event=s + 1, free_event=denom_free, shape=(n,)))
+    events.append(Event(11, "zero_grad", "detach", ""))
+    return Ledger(tuple(entries), tuple(events), evidence=Evidence.TRACED)
+
+
+def test_zero1_rank_steps_its_own_parameters_in_its_own_order():
+    """ZeroRedundancyOptimizer: a (10) to rank 0, c (6) then b (4) to rank 1, whose optimizer updates c
+    first: c's denom is alive while b's temporaries are made, not b's while c's are."""
+    res = shard(_single_tensor_step(), world_size=2, strategy="zero1", engine="torch")
+    r0, r1 = res.ranks
+    assert [ev.module for ev in r1.events if ev.phase == "optimizer"] == ["c"] * 3 + ["b"] * 3
+    assert r1.events[-1].phase == "zero_grad" and r1.num_events == 9
+    life = {e.name: (e.alloc_event, e.free_event) for e in r1.entries if e.category == Category.WORKSPACE}
+    assert life == {"sqrt c": (2, 4), "denom c": (3, 7), "sqrt b": (5, 7), "denom b": (6, 8)}
+    weights, moments, buckets = 4 * (10 + 4 + 6), 4 * (6 + 4), 4 * (10 + 4 + 6)  # DDP's buckets copy every grad
+    # the rank's optimizer peak: c's denom, b's sqrt and denom (in the reference order, b then c, it would be
+    # b's denom with c's sqrt and denom: 8 bytes more)
+    assert max(r1.totals()[2:8]) == weights + moments + buckets + 4 * (6 + 4 + 4)
+    # rank 0 updates a alone: its sqrt and denom, nothing of b or c
+    assert {e.name for e in r0.entries if e.category == Category.WORKSPACE} == {"sqrt a", "denom a"}
+    assert [ev.module for ev in r0.events if ev.phase == "optimizer"] == ["a"] * 3
+
+
 def test_fsdp_master_gradients_are_the_optimizers_own():
     """A master-weight optimizer casts each gradient onto an fp32 copy in its step: that copy is made from
     the rank's shard (its real rows) when the step runs, not placed on FSDP's backward timeline."""
@@ -420,3 +464,9 @@ def test_a_reference_model_called_by_the_loss_is_outside_the_root():
     assert life["gathered params <root> (forward)"] == (0, 8)
     assert life["all-gather output h.1 (forward)"] == (5, 8)
     assert r0.events[8].module == "reference.0"
+    # DDP alone (stage 0): every rank steps every parameter, in the model's order
+    ddp = shard(_single_tensor_step(), world_size=2, strategy="zero0", engine="torch").ranks[1]
+    assert ddp.events == _single_tensor_step().events
+    assert {e.name for e in ddp.entries if e.category == Category.WORKSPACE} == {
+        f"{k} {p}" for k in ("sqrt", "denom") for p in "abc"
+    }

@@ -122,6 +122,26 @@ def test_frees_on_another_thread_are_counted_and_noted():
     assert "frees_on_other_threads" not in trace(examples.mlp()).meta
 
 
+def test_optimizer_ops_name_the_parameter_they_update():
+    """A single-tensor Adam updates one parameter after another: each op names its parameter, and each
+    temporary (``sqrt``, the division) names the parameter it was made for."""
+    w = examples.mlp()
+    w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False)
+    led = trace(w)
+    names = [n for n, _ in w.model.named_parameters()]
+    runs = [ev.module for ev in led.events if ev.phase == "optimizer"]
+    assert [m for i, m in enumerate(runs) if i == 0 or runs[i - 1] != m] == names  # one run per parameter
+    temps = [e for e in led.entries if e.alloc_event is not None and led.events[e.alloc_event].phase == "optimizer"]
+    assert sorted({e.owner for e in temps}) == sorted(names)
+    assert all(led.events[e.alloc_event].module == e.owner for e in temps)
+    # a foreach op works on every parameter at once: it names none, each of its outputs names its own
+    w = examples.mlp()
+    w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)
+    led = trace(w)
+    foreach = [e for e in led.entries if e.name.startswith("aten._foreach_sqrt")]
+    assert sorted(e.owner for e in foreach) == sorted(names) and led.events[foreach[0].alloc_event].module == ""
+
+
 def test_every_event_has_a_phase_and_backward_events_name_their_module():
     led = trace(examples.gpt_tiny())
     phases = {e.phase for e in led.events}

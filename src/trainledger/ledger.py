@@ -138,7 +138,8 @@ class Event:
     module: str = ""
     """Module path whose forward (or whose gradient, in backward) the op belongs to: ``(root)`` for the
     root module's own ops, ``(loss)`` in backward for a loss computed outside the model, ``""`` for ops
-    outside every module (a ``loss_fn``'s forward, the seed of backward)."""
+    outside every module (a ``loss_fn``'s forward, the seed of backward). In the optimizer step, the name
+    of the one parameter the op updates (``""`` when none, or several: a foreach op)."""
 
 
 ROOT_SCOPE = "(root)"

@@ -35,7 +35,6 @@ live-parameter limit (stage 3) are not modelled.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,6 +44,7 @@ from trainledger.errors import InputError
 from trainledger.ledger import REFERENCE_SCOPE, ROOT_SCOPE, Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
+from trainledger.shard._optimizer import resequence_optimizer
 from trainledger.shard._partition import greedy_owners, shard_rows
 from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
 from trainledger.units import dtype_bytes
@@ -368,10 +368,15 @@ class _Context:
         # records it, others list their parameters in that order
         order = ledger.meta.get("parameter_order") or [p.name for p in self.params]
         self.param_order: dict[str, int] = {name: i for i, name in enumerate(order)}
-        trainable = [p for p in self.params if p.category == Category.WEIGHTS]
+        trainable = sorted(
+            (p for p in self.params if p.category == Category.WEIGHTS), key=lambda p: self.param_order.get(p.name, -1)
+        )
         self.owner = dict(
             zip((p.name for p in trainable), greedy_owners([p.numel for p in trainable], plan.shard_size), strict=True)
         )
+        # each rank's optimizer steps its parameters in the order they were given to it: largest first
+        by_size = sorted(trainable, key=lambda p: -p.numel)
+        self.rank_order = [[p.name for p in by_size if self.owner[p.name] == r] for r in range(plan.shard_size)]
         self.spans = self._spans() if self.traced else {}
         phases = [ev.phase for ev in ledger.events]
         self.last_backward = max((i for i, ph in enumerate(phases) if ph == "backward"), default=None)
@@ -465,6 +470,8 @@ class _Context:
         if opt_full and opt_kept != opt_full and self.traced:
             out = self._scale_optimizer_workspace(out, opt_kept, opt_full, srank)
         events = self.ledger.events
+        if plan.partition == "greedy" and plan.shard_optimizer and self.traced:
+            events, out = resequence_optimizer(events, out, self.rank_order[srank])
         if fsdp_timeline:
             events, out = fsdp_rank_timeline(self, srank, out)
         else:
@@ -504,21 +511,26 @@ class _Context:
     def _scale_optimizer_workspace(self, out: list[Entry], kept: int, full: int, srank: int) -> list[Entry]:
         """Temporaries of the optimizer step, as the rank's optimizer makes them.
 
-        FSDP2's optimizer runs on each parameter's local shard (its real rows): a temporary shaped like a
-        trainable parameter (``exp_avg_sq.sqrt()``, a foreach buffer) has the real rows of that shape on
-        this rank, and one of any other shape (a scalar) is kept whole. The other engines' temporaries
-        scale with the fraction of optimizer state the rank updates (an approximation).
+        The tracer names the parameter each temporary was made for (its ``owner``). FSDP2's optimizer
+        runs on each parameter's local shard: such a temporary, and one shaped like a parameter, has that
+        parameter's real rows on the rank; one of any other shape (a scalar) is kept whole.
+        ``ZeroRedundancyOptimizer``'s rank makes the temporaries of the parameters it owns, and none of
+        the others'. Temporaries of no known parameter, and the DeepSpeed engine's, scale with the
+        fraction of optimizer state the rank updates (an approximation).
         """
         phases = [ev.phase for ev in self.ledger.events]
-        shapes = {p.shape for p in self.params if p.category == Category.WEIGHTS and p.shape}
+        by_shape = {p.shape: p for p in self.params if p.category == Category.WEIGHTS and p.shape}
         scaled = []
         for e in out:
             if e.category == Category.WORKSPACE and e.alloc_event is not None and phases[e.alloc_event] == "optimizer":
-                if self.plan.partition != "dim0":
+                p = self.param_by_name.get(e.owner)
+                if self.plan.partition == "greedy" and p is not None and p.name in self.owner:
+                    if self.owner[p.name] != srank:
+                        continue
+                elif self.plan.partition == "dim0" and (p is not None or e.shape in by_shape):
+                    e = _resized(e, self.held(e, p if p is not None else by_shape[e.shape], srank, real=True))
+                elif self.plan.partition != "dim0":
                     e = replace(e, nbytes=e.nbytes * kept // full, numel=e.numel * kept // full)
-                elif e.shape in shapes and math.prod(e.shape) == e.numel:
-                    real = shard_rows(e.numel, e.shape, self.plan.shard_size, srank, "dim0")[1]
-                    e = _resized(e, real)
             scaled.append(e)
         return scaled
 

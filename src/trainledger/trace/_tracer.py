@@ -173,8 +173,13 @@ class StepTracer(TorchDispatchMode):
         if func.namespace in _NOT_OPS:
             return func(*args, **kwargs)
         index = len(self.events)
-        module = self.scopes.current if self.phase == "forward" else self.scopes.backward_scope()
         op = _op_name(func)
+        if self.phase == "forward":
+            module = self.scopes.current
+        elif self.phase == "optimizer":  # the parameter this op updates, when it is one
+            module = self._updated_parameter(args, kwargs)
+        else:
+            module = self.scopes.backward_scope()
         self.events.append(Event(index, self.phase, op, module))
         for t in _tensors(args, kwargs):
             if storage_key(t) not in self.storages and _has_storage(t):
@@ -189,14 +194,16 @@ class StepTracer(TorchDispatchMode):
                     owner=module,
                 )
         out = func(*args, **kwargs)
-        for t in _tensors(out):
+        outputs = _tensors(out)
+        owners = self._output_owners(op, args, module, len(outputs))
+        for t, owner in zip(outputs, owners, strict=True):
             # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's, new
             # when the op made it (an FSDP rank's optimizer temporaries)
             t = local_tensor(t)
             if _has_storage(t):
                 key = storage_key(t)
                 if key not in self.storages:
-                    self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=module)
+                    self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=owner)
         if self.phase == "backward" and func is _ADD and _same_meta(args, out):
             a, b = args[0], args[1]
             self._accumulations.append(
@@ -210,6 +217,29 @@ class StepTracer(TorchDispatchMode):
         if self._progress is not None and index % 1000 == 0:
             self._progress(self.phase, index)
         return out
+
+    # --- the optimizer step, parameter by parameter ---------------------------------------------------
+
+    def _parameter(self, t: torch.Tensor) -> str:
+        """The parameter a tensor belongs to: itself, its gradient, its optimizer state or master copy, or
+        a temporary the optimizer made for it; ``""`` for anything else."""
+        t = local_tensor(t)
+        rec = self.storages.get(storage_key(t)) if _has_storage(t) else None
+        return "" if rec is None else _parameter_of(rec)
+
+    def _updated_parameter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op)."""
+        names = {self._parameter(t) for t in _tensors(args, kwargs)}
+        names.discard("")
+        return names.pop() if len(names) == 1 else ""
+
+    def _output_owners(self, op: str, args: tuple[Any, ...], module: str, num_outputs: int) -> list[str]:
+        """Owner of each output: the event's module, or in the optimizer step the parameter each output
+        is for (a foreach op's ``j``-th output is for its first list's ``j``-th tensor)."""
+        if self.phase != "optimizer" or not op.startswith("aten._foreach_") or not args:
+            return [module] * num_outputs
+        first = args[0] if isinstance(args[0], (list, tuple)) else ()
+        return [self._parameter(first[j]) if j < len(first) else "" for j in range(num_outputs)]
 
     # --- saved tensors -------------------------------------------------------------------------------
 
@@ -278,6 +308,19 @@ class StepTracer(TorchDispatchMode):
                     rec.saved = out.saved
                     out.merged_into = rec
                     break
+
+
+def _parameter_of(r: _Storage) -> str:
+    """The parameter a storage belongs to, by what it was declared or marked as (see ``iter_state``
+    for the names: ``<param>``, ``<param>.grad``, ``optimizer.<param>.<slot>``, ``.master`` copies), or
+    the owner of a temporary the optimizer step made for one parameter."""
+    if r.category in (Category.WEIGHTS, Category.FROZEN):
+        return r.name
+    if r.category == Category.GRADIENTS:
+        return r.name.removesuffix(".grad").removesuffix(".master")
+    if r.category == Category.OPTIMIZER:
+        return r.name.removeprefix("optimizer.").rpartition(".")[0].removesuffix(".master")
+    return r.owner if r.phase == "optimizer" and r.category is None else ""
 
 
 def _order(r: _Storage) -> tuple[int, str]:
