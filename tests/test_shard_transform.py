@@ -470,3 +470,20 @@ def test_a_reference_model_called_by_the_loss_is_outside_the_root():
     assert {e.name for e in ddp.entries if e.category == Category.WORKSPACE} == {
         f"{k} {p}" for k in ("sqrt", "denom") for p in "abc"
     }
+
+
+def test_ddp_first_bucket_is_small():
+    """DDP's first bucket closes at 1 MiB, the next ones at 25 MiB: 1.93 MB of gradients (unet-small) are
+    two all-reduce calls, 0.88 MB (gpt-tiny) one."""
+    entries = []
+    for k, n in enumerate((300_000, 200_000, 100_000)):  # float32: 1.2 MB, 0.8 MB, 0.4 MB
+        entries.append(Entry(f"w{k}", Category.WEIGHTS, "param", "float32", n, 4 * n))
+        # backward produces the last layer's gradient first
+        entries.append(Entry(f"w{k}.grad", Category.GRADIENTS, "grad", "float32", n, 4 * n, alloc_event=3 - k))
+    events = tuple(Event(i, ph, "op", "(root)") for i, ph in enumerate(("forward",) + ("backward",) * 3))
+    res = shard(
+        Ledger(tuple(entries), events, evidence=Evidence.TRACED), world_size=2, strategy="zero0", engine="torch"
+    )
+    (ar,) = [c for c in res.collectives if c.kind == "all_reduce"]
+    # ready order w2 (0.4 MB), w1 (0.8 MB): 1.2 MB >= 1 MiB closes the first bucket; w0 the second
+    assert (ar.payload_bytes, ar.num_calls) == (2_400_000, 2)
