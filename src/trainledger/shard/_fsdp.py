@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Evidence
 from trainledger.shard._partition import shard_rows
+from trainledger.shard._units import unit_of
 from trainledger.units import dtype_bytes
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
     ``base`` holds the rank's entries other than gradients, gathered parameters and buffers (sharded
     weights, optimizer state, activations…), on the original clock.
     """
-    from trainledger.shard.transform import unit_of
-
     led, plan, cfg = ctx.ledger, ctx.plan, ctx.config
     n = plan.shard_size
     groups = ctx.unit_params()
@@ -232,8 +231,6 @@ def _kept_to_the_end(ctx: _Context, grads: list[Entry]) -> set[str]:
     variable keeps the last one (in the unit's parameter order, the model's ``named_parameters()``)
     alive after ``unsharded_grads.clear()``, through the reduce-scatter, until the function returns.
     """
-    from trainledger.shard.transform import unit_of
-
     last: dict[str, tuple[int, str]] = {}
     for e in grads:
         p = ctx.param_of(e)

@@ -1,4 +1,7 @@
-"""The optimizer step of a rank that updates only some parameters, in its own order. Pure, no torch.
+"""The optimizer step on a rank: the temporaries it makes, and the order it makes them in. Pure, no torch.
+
+FSDP2's optimizer updates each parameter's local shard, so each temporary has the real rows of the
+parameter it was made for (``optimizer_workspace``).
 
 ``ZeroRedundancyOptimizer`` gives each rank whole parameters (largest first, to the least-loaded rank)
 and each rank's own optimizer steps only those, in the order they were assigned. A single-tensor
@@ -15,8 +18,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from trainledger.ledger import Entry, Event
+from trainledger.ledger import Category, Entry, Event
+from trainledger.shard._partition import resized
+
+if TYPE_CHECKING:
+    from trainledger.shard.transform import _Context
+
+
+def optimizer_workspace(ctx: _Context, out: list[Entry], kept: int, full: int, srank: int) -> list[Entry]:
+    """Temporaries of the optimizer step, as the rank's optimizer makes them.
+
+    The tracer names the parameter each temporary was made for (its ``owner``). FSDP2's optimizer runs on
+    each parameter's local shard: such a temporary, and one shaped like a parameter, has that parameter's
+    real rows on the rank; one of any other shape (a scalar) is kept whole. ``ZeroRedundancyOptimizer``'s
+    rank makes the temporaries of the parameters it owns, and none of the others'. Temporaries of no known
+    parameter, and the DeepSpeed engine's, scale with the fraction ``kept / full`` of optimizer state the
+    rank updates (an approximation).
+    """
+    partition = ctx.plan.partition
+    phases = [ev.phase for ev in ctx.ledger.events]
+    by_shape = {p.shape: p for p in ctx.params if p.category == Category.WEIGHTS and p.shape}
+    scaled = []
+    for e in out:
+        if e.category == Category.WORKSPACE and e.alloc_event is not None and phases[e.alloc_event] == "optimizer":
+            p = ctx.param_by_name.get(e.owner)
+            if partition == "greedy" and p is not None and p.name in ctx.owner:
+                if ctx.owner[p.name] != srank:
+                    continue
+            elif partition == "dim0" and (p is not None or e.shape in by_shape):
+                e = resized(e, ctx.held(e, p if p is not None else by_shape[e.shape], srank, real=True))
+            elif partition != "dim0":
+                e = replace(e, nbytes=e.nbytes * kept // full, numel=e.numel * kept // full)
+        scaled.append(e)
+    return scaled
 
 
 def optimizer_segments(events: Sequence[Event]) -> dict[str, tuple[int, int]] | None:

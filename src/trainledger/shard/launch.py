@@ -54,11 +54,12 @@ from trainledger.shard.transform import ShardConfig, ShardResult, Strategy, infe
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
+"""gloo ranks allowed per CPU core: CPU processes can share cores (slowly); more than this is refused."""
 WARMUP_STEPS = 2
 """Steps a rank runs before its timed step: DDP rebuilds its buckets at the second."""
 STEPS_BEFORE_TRACE = WARMUP_STEPS + 1
-"""Steps every rank, and the single-process reference, runs before ``trace`` (which adds its own warm-up)."""
-"""gloo ranks allowed per CPU core: CPU processes can share cores (slowly); more than this is refused."""
+"""Steps every rank, and the single-process reference, runs before ``trace`` (which adds its own warm-up;
+a rank that traces again, see ``_trace_settled``, is a step or two further on)."""
 
 
 class RankError(InputError):

@@ -29,23 +29,24 @@ Engines (the padding and buffers differ; the arithmetic of the paper is the same
 
 Known limitations: allocator rounding is not modelled; optimizer-phase workspace is scaled by the
 fraction of optimizer state a rank keeps, except under FSDP2, whose per-shard temporaries are sized
-exactly (see ``_Context._scale_optimizer_workspace``); DeepSpeed's parameter persistence threshold and
+exactly (see ``_optimizer.optimizer_workspace``); DeepSpeed's parameter persistence threshold and
 live-parameter limit (stage 3) are not modelled.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from trainledger.errors import InputError
-from trainledger.ledger import REFERENCE_SCOPE, ROOT_SCOPE, Category, Entry, Evidence, Ledger
+from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
-from trainledger.shard._optimizer import resequence_optimizer
-from trainledger.shard._partition import greedy_owners, shard_rows
+from trainledger.shard._optimizer import optimizer_workspace, resequence_optimizer
+from trainledger.shard._partition import greedy_owners, resized, shard_rows
+from trainledger.shard._units import in_model, infer_units, unit_of
 from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
 from trainledger.units import dtype_bytes
 
@@ -182,63 +183,6 @@ def plan_for(config: ShardConfig) -> _Plan:
         n // shard,
         f"FSDP {s.upper()}" + (" (FSDP2 fully_shard)" if torch else ""),
     )
-
-
-# --- per-rank sizes ----------------------------------------------------------------------------------
-
-
-def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
-    """The repeated blocks of a model, from its parameter names: ``blocks.0``, ``blocks.1``… — the
-    first dotted prefix followed by at least two distinct integers. These become the FSDP units
-    (one per transformer block, the root taking the rest), as ``trainledger shard --run`` wraps them.
-
-    Example:
-        >>> infer_units(["wte.weight", "h.0.attn.w", "h.0.mlp.w", "h.1.attn.w", "ln_f.weight"])
-        ('h.0', 'h.1')
-    """
-    found: dict[str, list[int]] = {}
-    order: list[str] = []
-    for name in param_names:
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            if parts[i].isdigit():
-                prefix = ".".join(parts[:i])
-                if prefix not in found:
-                    found[prefix] = []
-                    order.append(prefix)
-                if int(parts[i]) not in found[prefix]:
-                    found[prefix].append(int(parts[i]))
-                break
-    for prefix in order:  # the first (outermost) repeated container wins
-        if len(found[prefix]) >= 2:
-            return tuple(f"{prefix}.{i}" for i in found[prefix])
-    return ()
-
-
-def unit_of(name: str, units: Sequence[str]) -> str:
-    """The unit holding a parameter or module path: the longest unit prefix, else the root ``""``."""
-    best = ""
-    for u in units:
-        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
-            best = u
-    return best
-
-
-def in_model(module: str, *, reference: bool = False) -> bool:
-    """Whether an event's module (as the tracer names it) is part of the model: ``(root)`` or a submodule
-    path. ``""`` is outside every module (a ``loss_fn``'s forward ops, the seed of backward), ``(loss)``
-    the backward of a loss computed outside the model, and with ``reference`` (the step has a frozen
-    reference model) ``reference…`` that model's modules, which the loss calls.
-
-    Example:
-        >>> [in_model(m) for m in ("(root)", "blocks.0.attn", "", "(loss)")]
-        [True, True, False, False]
-        >>> in_model("reference.0", reference=True)
-        False
-    """
-    if reference and (module == REFERENCE_SCOPE or module.startswith(REFERENCE_SCOPE + ".")):
-        return False
-    return module == ROOT_SCOPE or (module != "" and not module.startswith("("))
 
 
 # --- the transform -------------------------------------------------------------------------------------
@@ -454,21 +398,21 @@ class _Context:
                     out.append(e)
                 else:  # FSDP2's optimizer sees the unpadded local shard; DeepSpeed's partitions are padded
                     like = p if p is not None else e
-                    out.append(_resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
+                    out.append(resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
                 opt_kept += out[-1].nbytes
             elif cat == Category.GRADIENTS and plan.shard_grads:
                 if not fsdp_timeline:
                     out.extend(self._sharded_grad(e, srank))
                 elif e.role != "grad":  # the optimizer's own (a master copy's), made from the rank's shard
                     like = self.param_of(e) or e
-                    out.append(_resized(e, self.held(e, like, srank, real=True)))
+                    out.append(resized(e, self.held(e, like, srank, real=True)))
                 # the model's gradients: the FSDP timeline places them
             elif plan.shard_params and (cat == Category.WEIGHTS or _shardable_frozen(e)):
-                out.append(_resized(e, self.held(e, e, srank), role_suffix=""))
+                out.append(resized(e, self.held(e, e, srank), role_suffix=""))
             else:
                 out.append(e)
         if opt_full and opt_kept != opt_full and self.traced:
-            out = self._scale_optimizer_workspace(out, opt_kept, opt_full, srank)
+            out = optimizer_workspace(self, out, opt_kept, opt_full, srank)
         events = self.ledger.events
         if plan.partition == "greedy" and plan.shard_optimizer and self.traced:
             events, out = resequence_optimizer(events, out, self.rank_order[srank])
@@ -491,7 +435,7 @@ class _Context:
         like = p if p is not None else e
         shard_numel = self.held(e, like, srank)
         if not self.traced:
-            return [_resized(e, shard_numel)]
+            return [resized(e, shard_numel)]
         if self.plan.buffers == "fsdp":
             # FSDP2: the unsharded gradient lives until its unit's post-backward, which copies it into the
             # reduce-scatter input; the sharded output then lives until zero_grad.
@@ -504,35 +448,9 @@ class _Context:
         done = max(start, min(done, e.free_event if e.free_event is not None else self.ledger.num_events))
         full = replace(e, free_event=done)
         part = replace(
-            _resized(e, shard_numel), name=f"{e.name} (shard)", alloc_event=done, role=e.role, last_use_event=None
+            resized(e, shard_numel), name=f"{e.name} (shard)", alloc_event=done, role=e.role, last_use_event=None
         )
         return [full, part]
-
-    def _scale_optimizer_workspace(self, out: list[Entry], kept: int, full: int, srank: int) -> list[Entry]:
-        """Temporaries of the optimizer step, as the rank's optimizer makes them.
-
-        The tracer names the parameter each temporary was made for (its ``owner``). FSDP2's optimizer
-        runs on each parameter's local shard: such a temporary, and one shaped like a parameter, has that
-        parameter's real rows on the rank; one of any other shape (a scalar) is kept whole.
-        ``ZeroRedundancyOptimizer``'s rank makes the temporaries of the parameters it owns, and none of
-        the others'. Temporaries of no known parameter, and the DeepSpeed engine's, scale with the
-        fraction of optimizer state the rank updates (an approximation).
-        """
-        phases = [ev.phase for ev in self.ledger.events]
-        by_shape = {p.shape: p for p in self.params if p.category == Category.WEIGHTS and p.shape}
-        scaled = []
-        for e in out:
-            if e.category == Category.WORKSPACE and e.alloc_event is not None and phases[e.alloc_event] == "optimizer":
-                p = self.param_by_name.get(e.owner)
-                if self.plan.partition == "greedy" and p is not None and p.name in self.owner:
-                    if self.owner[p.name] != srank:
-                        continue
-                elif self.plan.partition == "dim0" and (p is not None or e.shape in by_shape):
-                    e = _resized(e, self.held(e, p if p is not None else by_shape[e.shape], srank, real=True))
-                elif self.plan.partition != "dim0":
-                    e = replace(e, nbytes=e.nbytes * kept // full, numel=e.numel * kept // full)
-            scaled.append(e)
-        return scaled
 
     def _grad_dtype_bytes(self) -> tuple[str, int]:
         grads = [e for e in self.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]
@@ -618,12 +536,6 @@ class _Context:
 
     def collectives(self) -> list[Collective]:
         return step_collectives(self)
-
-
-def _resized(e: Entry, numel: int, role_suffix: str = "") -> Entry:
-    size = e.nbytes // e.numel if e.numel else dtype_bytes(e.dtype)
-    shape = () if numel != e.numel else e.shape
-    return replace(e, numel=numel, nbytes=numel * size, shape=shape, role=e.role + role_suffix)
 
 
 def _buffer(name: str, role: str, dtype: str, numel: int, size: int, at: int | None = None) -> Entry:
