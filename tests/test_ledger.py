@@ -113,6 +113,7 @@ def test_ledger_module_imports_no_torch():
         "import sys, types\n"
         f"pkg = types.ModuleType('trainledger'); pkg.__path__ = [{src!r}]; sys.modules['trainledger'] = pkg\n"
         "import trainledger.ledger, trainledger.units, trainledger.declared\n"
+        "import trainledger.allocator, trainledger.devices\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout

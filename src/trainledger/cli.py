@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from trainledger import __version__
-from trainledger.commands import demo, estimate, fit, pareto, plan, shard, state, trace
+from trainledger.commands import demo, estimate, fit, pareto, plan, report, shard, state, trace
 from trainledger.errors import InputError
 
-COMMANDS = (demo, state, trace, shard, plan, pareto, estimate, fit)
+COMMANDS = (demo, state, trace, shard, plan, pareto, estimate, fit, report)
 
 
 class _Parser(argparse.ArgumentParser):

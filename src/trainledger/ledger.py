@@ -126,6 +126,24 @@ class Entry:
             self.free_event is None or event < self.free_event
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (plain values; ``from_dict`` reads it back)."""
+        d = asdict(self)
+        d["category"] = str(self.category)
+        d["evidence"] = str(self.evidence)
+        d["shape"] = list(self.shape)
+        d["aliases"] = list(self.aliases)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Entry:
+        d = dict(data)
+        d["category"] = Category(d["category"])
+        d["evidence"] = Evidence(d["evidence"])
+        d["shape"] = tuple(d.get("shape", ()))
+        d["aliases"] = tuple(d.get("aliases", ()))
+        return cls(**d)
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -153,6 +171,35 @@ STATE_EVENT = Event(index=0, phase="state")
 
 
 @dataclass(frozen=True, slots=True)
+class ModuleCall:
+    """One call of a module's ``forward`` during the step, located on the event clock.
+
+    A module called several times in one step (a shared block, a policy run on two batches) has one
+    record per call; a container that is never called (a ``ModuleList``) has none.
+    """
+
+    path: str
+    """Module path as ``named_modules()`` names it (``(root)`` for the model itself)."""
+    index: int
+    """Which call of this module it is in the step, counted from 0 in forward order."""
+    parent: int | None
+    """Position in ``Ledger.calls`` of the call it ran inside, or ``None`` at the top."""
+    start: int
+    """First forward event inside the call."""
+    stop: int
+    """One past the last forward event inside the call (``start == stop``: it dispatched no op)."""
+    backward_start: int | None = None
+    """First backward event of the autograd nodes this call created (``None``: none ran)."""
+    backward_stop: int | None = None
+    """One past the last such backward event."""
+    grad: bool = True
+    """Whether autograd was recording when it was called (``False`` under ``no_grad``)."""
+    writes: tuple[str, ...] = ()
+    """Entries that existed before the call and that ops inside it wrote in place (a BatchNorm's running
+    statistics, an input modified in place): what running the call again would change a second time."""
+
+
+@dataclass(frozen=True, slots=True)
 class Peak:
     """The largest live total and the breakdown at that same event."""
 
@@ -162,6 +209,133 @@ class Peak:
     op: str
     module: str
     by_category: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "event": self.event,
+            "phase": self.phase,
+            "op": self.op,
+            "module": self.module,
+            "by_category": dict(self.by_category),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Peak:
+        return cls(
+            _whole(data["bytes"], "peak bytes"),
+            _whole(data["event"], "peak event"),
+            str(data["phase"]),
+            str(data.get("op", "")),
+            str(data.get("module", "")),
+            {str(k): _whole(v, f"peak bytes of {k}") for k, v in dict(data["by_category"]).items()},
+        )
+
+
+@dataclass(frozen=True)
+class LedgerSummary:
+    """The figures every command's JSON holds at its top level: a ledger without its entries.
+
+    ``Ledger.summary()`` makes one; ``to_dict()`` is ``Ledger.to_dict(entries=False)``, and ``from_dict``
+    reads the top level of any command's JSON back (``trainledger report``).
+
+    Example:
+        >>> w = Entry("w", Category.WEIGHTS, "param", "float32", 10, 40)
+        >>> s = Ledger((w,)).summary()
+        >>> LedgerSummary.from_dict(s.to_dict()) == s, s.peak.bytes
+        (True, 40)
+    """
+
+    evidence: Evidence
+    device: str
+    peak: Peak
+    """The largest simultaneous live total and the breakdown at that event."""
+    category_maxima: dict[str, int]
+    """Each category's own maximum over the step (they need not coincide)."""
+    num_events: int
+    notes: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sum_of_category_maxima(self) -> int:
+        """An *overestimate* of the peak whenever the maxima do not coincide."""
+        return sum(self.category_maxima.values())
+
+    @property
+    def single_instant(self) -> bool:
+        """A ledger of one instant (inventoried or declared state): its total is not a peak."""
+        return self.num_events == 1 and self.peak.phase == "state"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "evidence": str(self.evidence),
+            "device": self.device,
+            "peak": self.peak.to_dict(),
+            "category_maxima": dict(self.category_maxima),
+            "sum_of_category_maxima": self.sum_of_category_maxima,
+            "num_events": self.num_events,
+            "notes": list(self.notes),
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LedgerSummary:
+        """Read the top level of a command's JSON (any schema that carries these keys)."""
+        maxima = {str(k): _whole(v, f"maximum of {k}") for k, v in dict(data["category_maxima"]).items()}
+        return cls(
+            evidence=Evidence(data["evidence"]),
+            device=str(data["device"]),
+            peak=Peak.from_dict(data["peak"]),
+            category_maxima=maxima,
+            num_events=_whole(data.get("num_events", 1), "num_events"),
+            notes=tuple(str(n) for n in data.get("notes", ())),
+            meta=dict(data.get("meta") or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EntryGroup:
+    """The entries of one category, role and dtype, summed (a row of the category tables)."""
+
+    category: str
+    role: str
+    dtype: str
+    num_arrays: int
+    numel: int
+    nbytes: int
+    evidence: tuple[str, ...]
+    """Every evidence label among the group's entries, sorted."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "category": self.category,
+            "role": self.role,
+            "dtype": self.dtype,
+            "arrays": self.num_arrays,
+            "elements": self.numel,
+            "bytes": self.nbytes,
+            "evidence": list(self.evidence),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EntryGroup:
+        return cls(
+            str(data["category"]),
+            str(data["role"]),
+            str(data["dtype"]),
+            _whole(data["arrays"], "arrays"),
+            _whole(data["elements"], "elements"),
+            _whole(data["bytes"], "bytes"),
+            tuple(str(e) for e in data["evidence"]),
+        )
+
+
+def _whole(value: Any, what: str) -> int:
+    """An integer read from JSON (a byte count, an event): bools and fractions are refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be a whole number, not {value!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +387,8 @@ class Ledger:
     """What the figures exclude or assume, stated for the reader."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Producer-specific facts (model name, graph node count, step time…); plain JSON-able values."""
+    calls: tuple[ModuleCall, ...] = ()
+    """Every module call of a traced step, in the order the calls began (empty for untraced ledgers)."""
 
     def __post_init__(self) -> None:
         if not self.events:
@@ -223,6 +399,9 @@ class Ledger:
                 raise ValueError(f"entry {e.name!r} allocated at event {e.alloc_event}, clock has {n}")
             if e.free_event is not None and not 0 <= e.free_event <= n:
                 raise ValueError(f"entry {e.name!r} freed at event {e.free_event}, clock has {n}")
+        for c in self.calls:
+            if not 0 <= c.start <= c.stop <= n or (c.backward_stop is not None and c.backward_stop > n):
+                raise ValueError(f"call of {c.path!r} spans events {c.start}..{c.stop}, clock has {n}")
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -233,6 +412,10 @@ class Ledger:
     def live_at(self, event: int) -> list[Entry]:
         """Entries live at ``event``."""
         return [e for e in self.entries if e.live_at(event)]
+
+    def largest_live(self, event: int, *, limit: int = 10) -> tuple[Entry, ...]:
+        """The ``limit`` largest entries live at ``event``, largest first."""
+        return tuple(sorted(self.live_at(event), key=lambda e: -e.nbytes)[:limit])
 
     def live_bytes(self, event: int) -> int:
         return sum(e.nbytes for e in self.entries if e.live_at(event))
@@ -264,16 +447,47 @@ class Ledger:
 
     def peak(self) -> Peak:
         """The largest simultaneous live total; the breakdown is taken at that same event."""
-        tl = self.timeline()
+        return self._peak(self.timeline())
+
+    def _peak(self, tl: dict[str, list[int]]) -> Peak:
         totals = [sum(col) for col in zip(*tl.values(), strict=True)]
         best = max(range(len(totals)), key=lambda i: (totals[i], -i))  # first event reaching the max
         ev = self.events[best]
         by_cat = {cat: series[best] for cat, series in tl.items() if series[best]}
         return Peak(totals[best], best, ev.phase, ev.op, ev.module, by_cat)
 
+    def summary(self) -> LedgerSummary:
+        """The top-level figures without the entries (what every command's JSON holds)."""
+        tl = self.timeline()  # once: a 7B trace's clock has ~11k events
+        maxima = _maxima(tl)
+        return LedgerSummary(self.evidence, self.device, self._peak(tl), maxima, self.num_events, self.notes, self.meta)
+
+    def groups(self) -> tuple[EntryGroup, ...]:
+        """Entries summed by category, role and dtype, in the fixed category order, then role and dtype.
+
+        Example:
+            >>> w = Entry("w", Category.WEIGHTS, "param", "float32", 10, 40)
+            >>> [(g.category, g.num_arrays, g.nbytes) for g in Ledger((w, w)).groups()]
+            [('weights', 2, 80)]
+        """
+        sums: dict[tuple[str, str, str], list[int]] = {}
+        evidence: dict[tuple[str, str, str], set[str]] = {}
+        for e in self.entries:
+            key = (str(e.category), e.role, e.dtype)
+            g = sums.setdefault(key, [0, 0, 0])
+            g[0] += 1
+            g[1] += e.numel
+            g[2] += e.nbytes
+            evidence.setdefault(key, set()).add(str(e.evidence))
+        order = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
+        return tuple(
+            EntryGroup(*key, *sums[key], tuple(sorted(evidence[key])))
+            for key in sorted(sums, key=lambda k: (order[k[0]], k[1], k[2]))
+        )
+
     def category_maxima(self) -> dict[str, int]:
         """Each category's own maximum over the step: these need not coincide in time."""
-        return {cat: max(series) for cat, series in self.timeline().items() if max(series)}
+        return _maxima(self.timeline())
 
     def sum_of_category_maxima(self) -> int:
         """Sum of per-category maxima: an *overestimate* of the peak whenever the maxima do not coincide."""
@@ -336,36 +550,19 @@ class Ledger:
 
     def to_dict(self, *, entries: bool = True) -> dict[str, Any]:
         """The JSON form: the top-level keys every command prints, plus entries and events."""
-        pk = self.peak()
-        maxima = self.category_maxima()
-        out: dict[str, Any] = {
-            "schema": SCHEMA,
-            "evidence": str(self.evidence),
-            "device": self.device,
-            "peak": {
-                "bytes": pk.bytes,
-                "event": pk.event,
-                "phase": pk.phase,
-                "op": pk.op,
-                "module": pk.module,
-                "by_category": pk.by_category,
-            },
-            "category_maxima": maxima,
-            "sum_of_category_maxima": sum(maxima.values()),
-            "num_events": self.num_events,
-            "notes": list(self.notes),
-            "meta": self.meta,
-        }
+        out = self.summary().to_dict()
         if entries:
-            out["entries"] = [_entry_to_dict(e) for e in self.entries]
+            out["entries"] = [e.to_dict() for e in self.entries]
             out["events"] = [asdict(ev) for ev in self.events]
+            if self.calls:
+                out["calls"] = [{**asdict(c), "writes": list(c.writes)} for c in self.calls]
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Ledger:
         if data.get("schema") != SCHEMA:
             raise ValueError(f"unknown ledger schema {data.get('schema')!r}; expected {SCHEMA!r}")
-        entries = tuple(_entry_from_dict(d) for d in data["entries"])
+        entries = tuple(Entry.from_dict(d) for d in data["entries"])
         events = tuple(Event(**ev) for ev in data["events"])
         return cls(
             entries,
@@ -374,10 +571,15 @@ class Ledger:
             device=data["device"],
             notes=tuple(data.get("notes", ())),
             meta=dict(data.get("meta", {})),
+            calls=tuple(ModuleCall(**{**c, "writes": tuple(c.get("writes", ()))}) for c in data.get("calls", ())),
         )
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
+
+
+def _maxima(timeline: dict[str, list[int]]) -> dict[str, int]:
+    return {cat: top for cat, series in timeline.items() if (top := max(series))}
 
 
 _ROLE_ORDER = ["master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"]
@@ -385,21 +587,3 @@ _ROLE_ORDER = ["master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_bu
 
 def _role_order(role: str) -> tuple[int, str]:
     return (_ROLE_ORDER.index(role) if role in _ROLE_ORDER else len(_ROLE_ORDER), role)
-
-
-def _entry_to_dict(e: Entry) -> dict[str, Any]:
-    d = asdict(e)
-    d["category"] = str(e.category)
-    d["evidence"] = str(e.evidence)
-    d["shape"] = list(e.shape)
-    d["aliases"] = list(e.aliases)
-    return d
-
-
-def _entry_from_dict(d: dict[str, Any]) -> Entry:
-    d = dict(d)
-    d["category"] = Category(d["category"])
-    d["evidence"] = Evidence(d["evidence"])
-    d["shape"] = tuple(d.get("shape", ()))
-    d["aliases"] = tuple(d.get("aliases", ()))
-    return Entry(**d)

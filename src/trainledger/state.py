@@ -22,8 +22,20 @@ class StateResult:
     num_graph_nodes: int | None
     """Autograd graph nodes one step creates: a node count, not FLOPs, not bytes."""
 
+    @classmethod
+    def of(cls, ledger: Ledger, *, source: str, num_graph_nodes: int | None = None) -> StateResult:
+        """The result for a ledger of persistent state: its payload sums and recovery checkpoint."""
+        return cls(source, ledger, ledger.payload(), recovery_checkpoint(ledger), num_graph_nodes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StateResult:
+        """Read ``to_dict()`` back (``trainledger report``): the ledger is saved whole, the sums follow from it."""
+        nodes = data.get("num_autograd_graph_nodes")
+        return cls.of(Ledger.from_dict(data), source=str(data["source"]), num_graph_nodes=nodes)
+
     def to_dict(self) -> dict[str, Any]:
         out = self.ledger.to_dict()
+        out["result"] = "state"
         out["source"] = self.source
         out["num_params"] = self.ledger.num_params()
         out["by_category"] = {k[0]: v for k, v in self.ledger.bytes_by("category").items()}
@@ -70,13 +82,8 @@ def workload_state(workload: Workload, *, take_step: bool = True) -> StateResult
     optimizer = workload.get_optimizer()
     ledger = inventory(workload.model, optimizer, reference=workload.reference)
     ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "model": workload.name})
-    return StateResult(
-        source=workload.name or type(workload.model).__name__,
-        ledger=ledger,
-        payload=ledger.payload(),
-        recovery=recovery_checkpoint(ledger),
-        num_graph_nodes=nodes[0] if nodes else None,
-    )
+    source = workload.name or type(workload.model).__name__
+    return StateResult.of(ledger, source=source, num_graph_nodes=nodes[0] if nodes else None)
 
 
 def spec_state(spec: StateSpec) -> StateResult:
@@ -86,11 +93,4 @@ def spec_state(spec: StateSpec) -> StateResult:
         >>> spec_state(StateSpec(num_params=10**9, master="fp32")).payload.bytes
         16000000000
     """
-    ledger = declared_ledger(spec)
-    return StateResult(
-        source=f"declared: {spec.num_params:,} parameters",
-        ledger=ledger,
-        payload=ledger.payload(),
-        recovery=recovery_checkpoint(ledger),
-        num_graph_nodes=None,
-    )
+    return StateResult.of(declared_ledger(spec), source=f"declared: {spec.num_params:,} parameters")

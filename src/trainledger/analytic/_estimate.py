@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from trainledger.analytic._config import ArchSpec, arch_from_config, load_config_file
 from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
 from trainledger.analytic._params import num_params
-from trainledger.analytic._setup import Setup
+from trainledger.analytic._setup import Setup, setup_from_dict, setup_to_dict
+from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 
 STAGES = ("zero0", "zero1", "zero2", "zero3")
@@ -32,16 +33,37 @@ class EstimateResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = self.ledger.to_dict(entries=False)
+        out["result"] = "estimate"
         out["source"] = self.source
         out["family"] = self.spec.family
+        out["spec"] = asdict(self.spec)
         out["num_params"] = self.num_params
         out["num_trainable_params"] = self.num_trainable_params
         out["saved_activation_bytes_per_layer"] = self.saved_bytes_per_layer
         out["world"] = self.world
         out["stage"] = self.stage
-        out["setup"] = {k: v for k, v in self.setup.__dict__.items() if k != "notes"}
+        out["setup"] = setup_to_dict(self.setup)
         out["by_category"] = {k[0]: v for k, v in self.ledger.bytes_by("category").items()}
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EstimateResult:
+        """Read ``to_dict()`` back (``trainledger report``).
+
+        The saved JSON holds the architecture and the setup, not the entries: the closed form is evaluated
+        again (instant, nothing runs) and must give the saved peak, or the file came from another version
+        of the model and is refused.
+        """
+        spec = ArchSpec(**data["spec"])
+        result = _estimate(spec, setup_from_dict(data["setup"]), int(data["world"]), str(data["stage"]))
+        result = replace(result, source=str(data["source"]))
+        saved, now = int(data["peak"]["bytes"]), result.ledger.peak().bytes
+        if saved != now:
+            raise InputError(
+                f"the saved estimate's peak {saved:,} bytes differs from {now:,} bytes that this version's "
+                "analytic model gives for the same setup; re-run trainledger estimate"
+            )
+        return result
 
 
 def shard_ledger(ledger: Ledger, world: int, stage: str) -> tuple[Ledger, tuple[str, ...]]:
@@ -72,28 +94,27 @@ def estimate(
         >>> r.num_params, r.ledger.peak().phase
         (124439808, 'backward')
     """
+    raw = dict(config) if isinstance(config, dict) else load_config_file(config)
+    result = _estimate(arch_from_config(raw), setup or Setup(), world, stage)
+    return replace(result, source="config" if isinstance(config, dict) else str(config))
+
+
+def _estimate(spec: ArchSpec, setup: Setup, world: int, stage: str) -> EstimateResult:
     from trainledger.shard import parse_strategy
 
-    raw = dict(config) if isinstance(config, dict) else load_config_file(config)
-    spec = arch_from_config(raw)
-    setup = setup or Setup()
     if spec.learned_positions and setup.seq_len > spec.learned_positions:
-        from trainledger.errors import InputError
-
         raise InputError(
             f"--seq-len {setup.seq_len} exceeds the {spec.learned_positions} learned positions "
             "(n_positions) of this model"
         )
     strategy = parse_strategy(stage)
     if strategy not in STAGES:
-        from trainledger.errors import InputError
-
         raise InputError(f"--stage {stage!r}: the analytic estimate takes ZeRO stages 0, 1, 2, 3")
     led = analytic_ledger(spec, setup)
     trainable = led.num_params()
     led, _ = shard_ledger(led, world, strategy)
     return EstimateResult(
-        source="config" if isinstance(config, dict) else str(config),
+        source="config",
         spec=spec,
         setup=setup,
         ledger=led,

@@ -9,14 +9,14 @@ collectives timed at the link's bandwidth, :func:`trainledger.shard.estimate_tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from trainledger.analytic._config import arch_from_config, load_config_file
 from trainledger.analytic._model import analytic_ledger, compact, step_flops
 from trainledger.analytic._params import num_params
-from trainledger.analytic._setup import REMATS, Setup
+from trainledger.analytic._setup import REMATS, Setup, setup_from_dict, setup_to_dict
 from trainledger.errors import InputError
 
 
@@ -87,6 +87,12 @@ class Candidate:
             "largest_at_peak": {"name": self.largest_entry[0], "bytes": self.largest_entry[1]},
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        fields = {k: v for k, v in data.items() if k != "largest_at_peak"}
+        largest = data["largest_at_peak"]
+        return cls(**fields, largest_entry=(str(largest["name"]), int(largest["bytes"])))
+
 
 @dataclass(frozen=True)
 class FitResult:
@@ -115,6 +121,10 @@ class FitResult:
                 "device_memory_bytes": self.options.device_memory,
                 "usable_bytes": self.options.device_memory - self.options.reserve_bytes,
                 "world": self.options.world,
+                "result": "fit",
+                "options": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.options).items()},
+                "base_setup": setup_to_dict(self.base),
+                "config": self.config,
                 "fits": [c.to_dict() for c in self.fitting],
                 "does_not_fit": [c.to_dict() for c in self.overflowing],
                 "cost_model": {
@@ -126,6 +136,20 @@ class FitResult:
             }
         )
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FitResult:
+        """Read ``to_dict()`` back (``trainledger report``): every candidate is saved with its figures."""
+        options = FitOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+        return cls(
+            source=str(data["source"]),
+            options=options,
+            base=setup_from_dict(data["base_setup"]),
+            num_params=int(data["num_params"]),
+            fitting=tuple(Candidate.from_dict(c) for c in data["fits"]),
+            overflowing=tuple(Candidate.from_dict(c) for c in data["does_not_fit"]),
+            config=dict(data["config"]),
+        )
 
 
 def _ledger_of(result: FitResult, setup: Setup, stage: str) -> Any:

@@ -30,7 +30,7 @@ from trainledger.analytic._activations import (
 )
 from trainledger.analytic._config import ArchSpec
 from trainledger.analytic._params import ParamTensor, param_tensors
-from trainledger.analytic._setup import Setup
+from trainledger.analytic._setup import Setup, setup_to_dict
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.units import DTYPE_BYTES
 
@@ -483,7 +483,7 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
         "family": spec.family,
         "num_params": sum(p.numel for p in param_tensors(spec)),
         "num_trainable_params": best.num_params(),
-        "setup": {k: v for k, v in setup.__dict__.items() if k != "notes"},
+        "setup": setup_to_dict(setup),
         "pipeline_stage": chosen,
     }
     return Ledger(

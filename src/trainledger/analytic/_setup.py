@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 from trainledger.declared import OPTIMIZER_ARRAYS
 from trainledger.errors import InputError
@@ -105,3 +105,18 @@ class Setup:
     def has_step_counter(self) -> bool:
         """Adam-family optimizers keep a scalar ``step`` tensor per parameter."""
         return self.optimizer in ("adamw", "adam")
+
+
+def setup_to_dict(setup: Setup) -> dict[str, Any]:
+    """A :class:`Setup` as JSON (its notes left out: the ledger carries them)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(setup).items() if k != "notes"}
+
+
+def setup_from_dict(data: dict[str, Any]) -> Setup:
+    """The :class:`Setup` that :func:`setup_to_dict` wrote, validated as any setup is.
+
+    Example:
+        >>> setup_from_dict(setup_to_dict(Setup(seq_len=512, lora_targets=("q_proj",)))).lora_targets
+        ('q_proj',)
+    """
+    return Setup(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

@@ -27,12 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainledger.trace import trace
+    from trainledger.trace import TraceReport, trace
 
     console = make_console()
     console.print(Rule("1. persistent state: the seed's 423 float64 parameters, Adam, a frozen reference copy"))
     state_cmd.render(workload_state(seed_423()), console)
     console.print(Rule("2. one traced training step of a small GPT: what is live at the peak instant"))
-    trace_cmd.render(trace(gpt_tiny()), console)
+    trace_cmd.render(TraceReport.of(trace(gpt_tiny())), console)
     console.print(Text(NEXT_STEPS))
     return 0

@@ -71,7 +71,6 @@ def _cost(p: Point | None, seconds: bool) -> str:
 def render(result: ParetoResult, console: Console) -> None:
     from trainledger.remat._sac import sac_cell
 
-    pl = result.planner
     seconds = result.cost == "seconds"
     verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
     table = Table(
@@ -92,7 +91,7 @@ def render(result: ParetoResult, console: Console) -> None:
         o = r.ours
         row = [
             f"{r.budget_bytes:,}",
-            f"{100 * r.budget_bytes / pl.plain_peak_bytes:.1f}%",
+            f"{100 * r.budget_bytes / result.plain_peak_bytes:.1f}%",
             f"{o.peak_bytes:,}" if o else "-",
             _cost(o, seconds),
             _cost(r.milp, seconds),
@@ -105,9 +104,9 @@ def render(result: ParetoResult, console: Console) -> None:
             row.append(f"{sac_cell(sac['as_given'][k])}\n-optim: {sac_cell(sac['less_optimizer'][k])}")
         table.add_row(*row)
     lines = [
-        f"plain step's traced peak {pl.plain_peak_bytes:,} bytes ({both_units(pl.plain_peak_bytes)}); floor "
-        f"{pl.floor_bytes:,} bytes ({both_units(pl.floor_bytes)}), the lowest peak any plan reaches; persistent "
-        f"state and the largest op alone {pl.state_floor_bytes:,} bytes",
+        f"plain step's traced peak {result.plain_peak_bytes:,} bytes ({both_units(result.plain_peak_bytes)}); floor "
+        f"{result.floor_bytes:,} bytes ({both_units(result.floor_bytes)}), the lowest peak any plan reaches; "
+        f"persistent state and the largest op alone {result.state_floor_bytes:,} bytes",
     ]
     for p in (result.uniform, result.sqrt_n):
         name = "uniform per-block checkpointing" if p.method == "uniform" else "Chen's sqrt(n) segments"
@@ -120,5 +119,5 @@ def render(result: ParetoResult, console: Console) -> None:
             "the budget as it is and (-optim) less the optimizer state; * = it discards part of a module's "
             "activations (a per-op policy), shown with those modules recomputed whole; over = above the budget"
         )
-    items: list[Any] = [table, Text("\n".join(lines)), notes_text([*pl.candidates.notes, UNITS_NOTE])]
+    items: list[Any] = [table, Text("\n".join(lines)), notes_text([*result.candidate_notes, UNITS_NOTE])]
     print_renderables(*items, console=console)

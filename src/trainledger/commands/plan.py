@@ -82,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
         result.plan.save(args.save)
     if args.json:
         print_json(result.to_dict())
-        return 0
-    render(result, make_console(), saved=args.save)
+    else:
+        render(result, make_console(), saved=args.save)
     v = result.verification
-    return 1 if v is not None and not (v.within_budget and v.gradients_bitwise_equal) else 0
+    return 1 if v is not None and not v.passed else 0
 
 
 def render(result: PlanResult, console: Console, *, saved: str | None = None) -> None:
@@ -97,11 +97,11 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
     )
     items: list[Any] = [Text(head)]
     items.append(regions_table(p, result.candidates))
-    if p.predicted is not None:
-        pk = p.predicted.peak()
+    if result.predicted is not None:
+        pk = result.predicted.peak
         items.append(
             peak_text(
-                pk, evidence="predicted from the trace", maxima=p.predicted.category_maxima(), single_instant=False
+                pk, evidence="predicted from the trace", maxima=result.predicted.category_maxima, single_instant=False
             )
         )
     gap = "proved optimal" if p.optimal and not p.gap else f"optimality gap {100 * (p.gap or 0):.2f}%"
@@ -112,8 +112,12 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         "(ops up to each region's early stop, medians of repeated single-thread runs)",
         f"solver: {p.solver}, {gap}" + (f"; LP lower bound {p.lp_bound:.4g}" if p.lp_bound is not None else ""),
         f"floor: the lowest peak any plan reaches here is {p.floor_bytes or 0:,} bytes "
-        f"({both_units(p.floor_bytes or 0)}); persistent state and the largest op alone are "
-        f"{result.state_floor_bytes:,} bytes",
+        f"({both_units(p.floor_bytes or 0)})"
+        + (
+            f"; persistent state and the largest op alone are {result.state_floor_bytes:,} bytes"
+            if result.state_floor_bytes is not None
+            else ""
+        ),
     ]
     items.append(Text("\n".join(lines)))
     v = result.verification
@@ -121,7 +125,7 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         from trainledger.remat._verify import AGREEMENT
 
         yes = {True: "yes", False: "NO"}
-        device = p.predicted.device if p.predicted is not None else "cpu"
+        device = result.predicted.device if result.predicted is not None else "cpu"
         items.append(
             Text(
                 "\n".join(
@@ -133,7 +137,12 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
                         f"  within the budget {budget:,}: {yes[v.within_budget]}",
                         f"  gradients bitwise equal to the plain step's (same seed, {device}, "
                         f"dropout on): {yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} "
-                        f"of {v.num_gradients})",
+                        f"of {v.num_gradients})" + _first(v.mismatched),
+                        f"  parameters, buffers and optimizer state after one step bitwise equal to the plain "
+                        f"step's: {yes[v.state_bitwise_equal]} ({v.num_state - len(v.mismatched_state)} of "
+                        f"{v.num_state})" + _first(v.mismatched_state),
+                        "  every region recomputed in the traced step: "
+                        + ("yes" if not v.not_run else "NO, never ran: " + ", ".join(v.not_run)),
                         f"  step time: plain {v.plain_step_seconds * 1e3:.1f} ms, with the plan "
                         f"{v.planned_step_seconds * 1e3:.1f} ms: {v.extra_step_seconds * 1e3:+.1f} ms "
                         "(medians of 7 untraced steps each, interleaved, one thread)",
@@ -147,22 +156,35 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
     print_renderables(*items, console=console)
 
 
+def _first(names: tuple[str, ...], limit: int = 3) -> str:
+    if not names:
+        return ""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return "; differ: " + ", ".join(names[:limit]) + more
+
+
 def regions_table(p: Plan, candidates: tuple[dict[str, Any], ...]) -> Table | Text:
+    """The recomputed regions with their costs (``-``: not saved; a ``plan --save`` file holds only the regions)."""
     if not p.regions:
         return Text("nothing to recompute: the plain step already fits")
-    rows = {(c["path"], c["policy"]): c for c in candidates}
+    rows = {(c["path"], c["policy"], c["call"]): c for c in candidates}
     table = Table(title="recompute (non-reentrant torch.utils.checkpoint, RNG state preserved)", title_justify="left")
     for col in ("module", "policy", "saved bytes", "recompute transient", "recompute FLOPs", "recompute ms"):
         table.add_column(col, justify="left" if col in ("module", "policy") else "right")
     for r in p.regions:
-        c = rows.get((r.path, r.policy), {})
+        c = rows.get((r.path, r.policy, r.call))
         policy = "keep inputs only" if r.policy == "full" else "keep matmul outputs"
+        if r.restore:
+            policy += f"; recomputes on a copy of {len(r.restore)} buffers"
+        if c is None:
+            table.add_row(r.label.removesuffix(" (selective)"), policy, "-", "-", "-", "-")
+            continue
         table.add_row(
-            r.path,
+            r.label.removesuffix(" (selective)"),
             policy,
-            f"{c.get('saved_bytes', 0):,}",
-            f"{c.get('recompute_transient_bytes', 0):,}",
-            f"{c.get('recompute_flops', 0):,}",
-            f"{c.get('recompute_seconds', 0.0) * 1e3:.3f}",
+            f"{c['saved_bytes']:,}",
+            f"{c['recompute_transient_bytes']:,}",
+            f"{c['recompute_flops']:,}",
+            f"{c['recompute_seconds'] * 1e3:.3f}",
         )
     return table

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -22,8 +21,9 @@ from trainledger.report.terminal import (
     notes_text,
     print_renderables,
 )
+from trainledger.shard import ShardReport, ShardSummary
 from trainledger.shard.comm import CommTime, estimate_time
-from trainledger.shard.transform import ENGINES, ShardConfig, ShardResult, parse_strategy, shard
+from trainledger.shard.transform import ENGINES, ShardConfig, parse_strategy, shard
 from trainledger.state import spec_state
 from trainledger.units import format_bytes
 
@@ -66,34 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-@dataclass(frozen=True)
-class ShardReport:
-    """What ``trainledger shard`` computed (without ``--run``): one result per stage asked for."""
-
-    source: str
-    results: tuple[ShardResult, ...]
-    times: tuple[CommTime | None, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        last = self.results[-1]
-        out = last.to_dict()
-        out["source"] = self.source
-        out["stages"] = [
-            {
-                "strategy": r.config.strategy,
-                "label": r.label,
-                "model_state_bytes_per_rank": r.model_state_bytes(),
-                "peak_bytes_per_rank": [led.peak().bytes for led in r.ranks],
-                "collective_wire_bytes_per_rank": sum(c.wire_bytes for c in r.collectives),
-                "comm_seconds": t.total_seconds if t else None,
-                "exposed_comm_seconds": t.exposed_seconds if t else None,
-                "excluded": [n for n in r.notes if n.startswith("excluded")],
-            }
-            for r, t in zip(self.results, self.times, strict=True)
-        ]
-        return out
-
-
 def compute(args: argparse.Namespace) -> ShardReport:
     if args.model and args.params:
         raise InputError("give either --model or --params, not both")
@@ -130,7 +102,7 @@ def compute(args: argparse.Namespace) -> ShardReport:
             **fsdp_facts,
         )
         res = shard(ledger, config)
-        results.append(res)
+        results.append(res.summary())
         times.append(
             estimate_time(res.collectives, link_gbps=args.link_gbps, compute_seconds=compute_seconds)
             if args.link_gbps is not None and res.collectives
@@ -164,25 +136,25 @@ def render(report: ShardReport, console: Console) -> None:
         items.append(_stages_table(report))
     else:
         res = report.results[0]
-        items.append(category_table(res.ranks[0], title=f"rank 0 of {res.config.world_size}, {res.label}"))
-        items.append(_ranks_text(res))
-    items.append(_collectives_table(report.results[-1], report.times[-1]))
+        items.append(category_table(res.rank0_groups, title=f"rank 0 of {res.world_size}, {res.label}"))
+        items.append(ranks_text(res))
+    items.append(collectives_table(report.results[-1], report.times[-1]))
     notes = []
     for r in report.results:
         notes += [n for n in r.notes if n not in notes]
-    items.append(notes_text([*notes, *report.results[0].source.notes, UNITS_NOTE]))
+    items.append(notes_text([*notes, *report.results[0].source_notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
 
 
 def _stages_table(report: ShardReport) -> Table:
     res0 = report.results[0]
-    table = Table(title=f"{report.source}, {res0.config.world_size} ranks: per rank", title_justify="left")
+    table = Table(title=f"{report.source}, {res0.world_size} ranks: per rank", title_justify="left")
     for col in ("stage", "weights", "gradients", "optimizer", "model states", "comm / rank", "excludes"):
         table.add_column(col, justify="left" if col in ("stage", "excludes") else "right")
     for res, t in zip(report.results, report.times, strict=True):
-        by = {k[0]: v for k, v in res.ranks[0].bytes_by("category").items()}
+        by = res.ranks[0].by_category
         excluded = [short for key, short in _SHORT_EXCLUDED if any(key in n for n in res.notes)]
-        if res.source.events[0].phase == "state":
+        if res.source_single_instant:
             excluded.append("activations, workspace")
         comm = sum(c.wire_bytes for c in res.collectives)
         table.add_row(
@@ -190,7 +162,7 @@ def _stages_table(report: ShardReport) -> Table:
             _gb(by.get("weights", 0) + by.get("frozen", 0)),
             _gb(by.get("gradients", 0)),
             _gb(by.get("optimizer", 0)),
-            _gb(res.model_state_bytes()),
+            _gb(res.ranks[0].model_state_bytes),
             _gb(comm) + (f", {t.total_seconds:.3g} s" if t else ""),
             ", ".join(excluded),
         )
@@ -208,9 +180,10 @@ def _gb(nbytes: int) -> str:
     return format_bytes(nbytes, binary=False)
 
 
-def _ranks_text(res: ShardResult) -> Text:
-    peaks = [led.peak() for led in res.ranks]
-    single = res.source.num_events == 1 and res.source.events[0].phase == "state"
+def ranks_text(res: ShardSummary) -> Text:
+    """Each rank's predicted peak (or model states, for a single instant), eight ranks at most."""
+    peaks = [rank.peak for rank in res.ranks]
+    single = res.source_single_instant
     what = "model states" if single else "predicted peak"
     lines = []
     for r, pk in enumerate(peaks[:8]):
@@ -221,7 +194,8 @@ def _ranks_text(res: ShardResult) -> Text:
     return Text("\n".join(lines))
 
 
-def _collectives_table(res: ShardResult, t: CommTime | None) -> Table:
+def collectives_table(res: ShardSummary, t: CommTime | None) -> Table:
+    """The collectives one rank runs per step, with the bytes it sends (and their time, when estimated)."""
     table = Table(title="collectives per rank per step", title_justify="left")
     for col in ("kind", "phase", "moves", "calls", "payload", "sent per rank"):
         table.add_column(col, justify="right" if col in ("calls", "payload", "sent per rank") else "left")
@@ -254,9 +228,16 @@ def _run_for_real(args: argparse.Namespace) -> int:
     if args.json:
         print_json(d)
         return 0
+    render_run(d, make_console())
+    return 0
+
+
+def render_run(d: dict[str, Any], console: Console) -> None:
+    """Print a real run (``RunResult.to_dict()``, as ``shard --run --json`` saves it): predicted against
+    traced, per rank."""
+    run = d["run"]
     table = Table(
-        title=f"{args.model}, {args.world} ranks, {result.prediction.label}, {result.config.backend}",
-        title_justify="left",
+        title=f"{run['model']}, {run['world_size']} ranks, {run['engine']}, {run['backend']}", title_justify="left"
     )
     for col in ("rank", "predicted peak", "traced peak", "error", "collective bytes", "wait", "step"):
         table.add_column(col, justify="right")
@@ -271,10 +252,9 @@ def _run_for_real(args: argparse.Namespace) -> int:
             f"{r['wait_seconds']:.3f} s",
             f"{r['step_seconds']:.3f} s",
         )
-    predicted = sum(c.payload_bytes for c in result.prediction.collectives)
+    predicted = d["ranks"][0]["predicted_collective_bytes"] if d["ranks"] else 0
     table.caption = (
         f"collective bytes: payload counted at every c10d call of one step (predicted {predicted:,}); "
         "wait: time inside collectives and waiting on them; step: one untraced step"
     )
-    print_renderables(table, notes_text([*result.notes, UNITS_NOTE]), console=make_console())
-    return 0
+    print_renderables(table, notes_text([*d.get("run_notes", ()), UNITS_NOTE]), console=console)

@@ -12,7 +12,6 @@ from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, positive_int, print_json
 from trainledger.errors import InputError
-from trainledger.ledger import Ledger
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
 from trainledger.report.terminal import (
     UNITS_NOTE,
@@ -25,6 +24,7 @@ from trainledger.report.terminal import (
     print_renderables,
 )
 from trainledger.shard.transform import parse_strategy
+from trainledger.trace import TraceReport
 from trainledger.workload import Workload, load_workload
 
 
@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-memory-viz", metavar="FILE", help="write a PyTorch memory snapshot (.pickle)")
     p.add_argument("--export-perfetto", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
     p.add_argument("--export-json", metavar="FILE", help="write the ledger, every entry with its interval (.json)")
+    p.add_argument(
+        "--html", metavar="FILE", help="write a self-contained HTML page: timeline, live arrays, sortable tables"
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
@@ -104,62 +107,63 @@ def run(args: argparse.Namespace) -> int:
     if args.world > 1 or strategy != "zero0":
         from trainledger.shard import shard
 
-        sharded = shard(ledger, world_size=args.world, strategy=strategy)
+        sharded = shard(ledger, world_size=args.world, strategy=strategy).summary()
     written = list(write_exports(ledger, outputs).values())
+    report = TraceReport.of(
+        ledger,
+        num_params=num_params,
+        measured=measurement.summary() if measurement is not None else None,
+        sharded=sharded,
+    )
     if args.json:
-        out: dict[str, Any] = sharded.to_dict() if sharded is not None else ledger.to_dict(entries=False)
-        out["num_params"] = num_params
-        out["largest_live_at_peak"] = [
-            {"name": e.name, "category": str(e.category), "role": e.role, "bytes": e.nbytes, "module": e.owner}
-            for e in sorted(ledger.live_at(ledger.peak().event), key=lambda e: -e.nbytes)[:10]
-        ]
-        if measurement is not None:
-            out["measured"] = measurement.to_dict()
+        out = report.to_dict()
         out["written"] = [str(p) for p in written]
         print_json(out)
         return 0
-    console = make_console()
-    render(ledger, console, measurement=measurement, written=written)
-    if sharded is not None:
-        from trainledger.commands.shard import _collectives_table, _ranks_text
-
-        head = Text(f"sharded as {sharded.label} over {args.world} ranks, predicted from this trace:")
-        print_renderables(head, _ranks_text(sharded), _collectives_table(sharded, None), console=console)
+    render(report, make_console(), written=written)
     return 0
 
 
-def render(ledger: Ledger, console: Console, *, measurement: Any = None, written: Sequence[str] = ()) -> None:
-    pk = ledger.peak()
-    over = ledger.sum_of_category_maxima() - pk.bytes
-    phases = ", ".join(f"{k} {v}" for k, v in ledger.meta.get("events_per_phase", {}).items())
+def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()) -> None:
+    """Print a traced step: the peak, the breakdown at that instant, the largest arrays live then."""
+    led = report.ledger
+    pk = led.peak
+    over = led.sum_of_category_maxima - pk.bytes
+    phases = ", ".join(f"{k} {v}" for k, v in led.meta.get("events_per_phase", {}).items())
     lines = [
-        f"model {ledger.meta.get('model') or '?'}{' (fake tensors)' if ledger.meta.get('fake') else ''}: "
-        f"{ledger.num_events:,} events ({phases}), {len(ledger.entries):,} storages"
+        f"model {led.meta.get('model') or '?'}{' (fake tensors)' if led.meta.get('fake') else ''}: "
+        f"{led.num_events:,} events ({phases}), {report.num_entries:,} storages"
     ]
     items: list[Any] = [
         Text("\n".join(lines)),
-        peak_text(pk, evidence=str(ledger.evidence), maxima=ledger.category_maxima(), single_instant=False),
-        peak_table(ledger),
+        peak_text(pk, evidence=str(led.evidence), maxima=led.category_maxima, single_instant=False),
+        peak_table(led),
         Text(
-            f"summing category maxima would claim {ledger.sum_of_category_maxima():,} bytes: "
+            f"summing category maxima would claim {led.sum_of_category_maxima:,} bytes: "
             f"{over:,} bytes ({100 * over / max(pk.bytes, 1):.1f}%) more than was ever live at once"
         ),
-        largest_live_table(ledger),
+        largest_live_table(report.largest_live, pk.event),
     ]
-    if measurement is not None:
-        m = measurement
+    m = report.measured
+    if m is not None:
         items.append(
             Text(
                 f"measured peak {m.peak_bytes:,} bytes ({both_units(m.peak_bytes)}), evidence measured on {m.device}"
-                f" (start from {m.start_source}); traced {pk.bytes:,}; workspace not visible as tensors "
+                f" (start from {m.start_source}); traced {m.traced_peak.bytes:,}; workspace not visible as tensors "
                 f"{m.unseen_workspace_bytes:,} bytes (kernel-internal buffers, allocator rounding)"
                 + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes else "")
                 + f"\nmedian step time {m.median_step_seconds * 1e3:.2f} ms over {len(m.step_seconds)} steps"
             )
         )
     items += [Text(f"wrote {p}") for p in written]
-    items.append(notes_text([*ledger.notes, UNITS_NOTE]))
+    items.append(notes_text([*led.notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
+    if report.sharded is not None:
+        from trainledger.commands.shard import collectives_table, ranks_text
+
+        sh = report.sharded
+        head = Text(f"sharded as {sh.label} over {sh.world_size} ranks, predicted from this trace:")
+        print_renderables(head, ranks_text(sh), collectives_table(sh, None), console=console)
 
 
 def _check_outputs(args: argparse.Namespace) -> ExportPaths:
@@ -169,6 +173,7 @@ def _check_outputs(args: argparse.Namespace) -> ExportPaths:
         memory_viz=args.export_memory_viz,
         perfetto=args.export_perfetto,
         ledger_json=args.export_json,
+        html=args.html,
         protect=_inputs(args),
     )
 

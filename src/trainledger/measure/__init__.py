@@ -19,16 +19,15 @@ Example:
 from __future__ import annotations
 
 import copy
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from trainledger.ledger import Evidence, Ledger
-from trainledger.trace import trace
+from trainledger.ledger import Ledger
+from trainledger.trace import MeasuredStep, trace
 from trainledger.workload import Workload, quiet_gc, run_step
 
 __all__ = ["Measurement", "measure"]
@@ -37,53 +36,15 @@ WINDOW = "trainledger.measured_step"
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """A measured step beside its trace."""
+class Measurement(MeasuredStep):
+    """A measured step beside its trace: the figures of :class:`MeasuredStep` and the trace's whole ledger."""
 
-    device: str
-    peak_bytes: int
-    """Live bytes at the measured peak (absolute)."""
-    start_bytes: int
-    """Live bytes when the step began."""
-    start_source: str
-    """``allocator`` (CUDA counters) or ``trace`` (CPU: the traced bytes live before the step's first op)."""
-    reserved_peak_bytes: int | None
-    """What the caching allocator held at most (CUDA only)."""
-    step_seconds: tuple[float, ...]
     traced: Ledger
+    """The trace taken beside the measurement (same weights, optimizer state and random numbers)."""
 
-    @property
-    def median_step_seconds(self) -> float:
-        return statistics.median(self.step_seconds)
-
-    @property
-    def unseen_workspace_bytes(self) -> int:
-        """Measured minus traced peak: kernel-internal buffers and allocator rounding."""
-        return self.peak_bytes - self.traced.peak().bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        traced = self.traced.to_dict(entries=False)
-        by_cat = dict(traced["peak"]["by_category"])
-        by_cat["workspace_not_visible_as_tensors"] = self.unseen_workspace_bytes
-        return {
-            "schema": "trainledger.measure/1",
-            "evidence": str(Evidence.MEASURED),
-            "device": self.device,
-            "peak": {**traced["peak"], "bytes": self.peak_bytes, "by_category": by_cat},
-            "category_maxima": traced["category_maxima"],
-            "sum_of_category_maxima": traced["sum_of_category_maxima"],
-            "start_bytes": self.start_bytes,
-            "start_source": self.start_source,
-            "reserved_peak_bytes": self.reserved_peak_bytes,
-            "traced_peak_bytes": self.traced.peak().bytes,
-            "unseen_workspace_bytes": self.unseen_workspace_bytes,
-            "step_seconds": list(self.step_seconds),
-            "median_step_seconds": self.median_step_seconds,
-            "notes": [
-                "peak is the allocator's own count; by_category is the trace's breakdown at its peak, "
-                "plus the difference as workspace not visible as tensors"
-            ],
-        }
+    def summary(self) -> MeasuredStep:
+        """The figures reports print and save (``to_dict``), without the trace's entries."""
+        return MeasuredStep(**{f.name: getattr(self, f.name) for f in fields(MeasuredStep)})
 
 
 def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
@@ -112,7 +73,17 @@ def measure(workload: Workload, *, num_steps: int = 5) -> Measurement:
         run_step(workload)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return Measurement(device, peak, start, start_source, reserved, tuple(times), ledger)
+    return Measurement(
+        device=device,
+        peak_bytes=peak,
+        start_bytes=start,
+        start_source=start_source,
+        reserved_peak_bytes=reserved,
+        step_seconds=tuple(times),
+        traced_peak=ledger.peak(),
+        traced_category_maxima=ledger.category_maxima(),
+        traced=ledger,
+    )
 
 
 def _snapshot(workload: Workload) -> dict[str, Any]:

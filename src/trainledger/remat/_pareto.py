@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from trainledger.errors import InputError
+from trainledger.ledger import LedgerSummary
 from trainledger.remat.candidates import CostKind
 from trainledger.remat.planner import Planner
 from trainledger.remat.solvers import NoPlan, Solution, solve_greedy, solve_milp, sqrt_n_choice
@@ -52,6 +53,10 @@ class Point:
             "gradients_bitwise_equal": self.gradients_bitwise_equal,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Point:
+        return cls(**{**data, "regions": tuple(data["regions"])})
+
 
 @dataclass(frozen=True)
 class Row:
@@ -68,37 +73,77 @@ class Row:
             "greedy": self.greedy.to_dict() if self.greedy else None,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Row:
+        def point(d: dict[str, Any] | None) -> Point | None:
+            return Point.from_dict(d) if d is not None else None
+
+        return cls(int(data["budget_bytes"]), point(data["ours"]), point(data["milp"]), point(data["greedy"]))
+
 
 @dataclass(frozen=True)
 class ParetoResult:
     """The sweep: a row per budget and the fixed baselines."""
 
     model: str
-    planner: Planner = field(repr=False)
+    plain: LedgerSummary
+    """The plain step's traced figures."""
+    plain_peak_bytes: int
+    floor_bytes: int
+    """The lowest peak any plan reaches."""
+    state_floor_bytes: int
+    """Persistent state and the largest op alone."""
     rows: tuple[Row, ...]
     uniform: Point
     sqrt_n: Point
     cost: CostKind
+    candidate_notes: tuple[str, ...] = ()
+    """What the candidate regions leave out or assume."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Further comparisons (PyTorch's SAC MILP, when it can run)."""
+    planner: Planner | None = field(default=None, repr=False, compare=False)
+    """The planner the sweep ran (``None`` when read back from JSON)."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = self.planner.plain.to_dict(entries=False)
+        out = self.plain.to_dict()
         out.update(
             {
                 "schema": PARETO_SCHEMA,
                 "model": self.model,
                 "cost": self.cost,
-                "plain_peak_bytes": self.planner.plain_peak_bytes,
-                "floor_bytes": self.planner.floor_bytes,
-                "state_floor_bytes": self.planner.state_floor_bytes,
+                "plain_peak_bytes": self.plain_peak_bytes,
+                "floor_bytes": self.floor_bytes,
+                "state_floor_bytes": self.state_floor_bytes,
                 "rows": [r.to_dict() for r in self.rows],
                 "uniform_per_block": self.uniform.to_dict(),
                 "sqrt_n": self.sqrt_n.to_dict(),
+                "candidate_notes": list(self.candidate_notes),
                 **self.extra,
             }
         )
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParetoResult:
+        """Read ``to_dict()`` back (``trainledger report``)."""
+        if data.get("schema") != PARETO_SCHEMA:
+            raise InputError(f"not a pareto sweep: schema {data.get('schema')!r}, expected {PARETO_SCHEMA!r}")
+        return cls(
+            model=str(data["model"]),
+            plain=LedgerSummary.from_dict(data),
+            plain_peak_bytes=int(data["plain_peak_bytes"]),
+            floor_bytes=int(data["floor_bytes"]),
+            state_floor_bytes=int(data["state_floor_bytes"]),
+            rows=tuple(Row.from_dict(r) for r in data["rows"]),
+            uniform=Point.from_dict(data["uniform_per_block"]),
+            sqrt_n=Point.from_dict(data["sqrt_n"]),
+            cost=data["cost"],
+            candidate_notes=tuple(data.get("candidate_notes", ())),
+            extra={k: data[k] for k in _EXTRA_KEYS if k in data},
+        )
+
+
+_EXTRA_KEYS = ("torch_sac_ilp",)
 
 
 def _point(planner: Planner, method: str, sol: Solution) -> Point:
@@ -164,13 +209,18 @@ def pareto(
         rows.append(Row(b, ours, milp, greedy))
     blocks = planner.block_candidates()
     return ParetoResult(
-        workload.name,
-        planner,
-        tuple(rows),
-        _fixed(planner, "uniform", blocks),
-        _fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
-        cost,
+        model=workload.name,
+        plain=planner.plain.summary(),
+        plain_peak_bytes=planner.plain_peak_bytes,
+        floor_bytes=planner.floor_bytes,
+        state_floor_bytes=planner.state_floor_bytes,
+        rows=tuple(rows),
+        uniform=_fixed(planner, "uniform", blocks),
+        sqrt_n=_fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
+        cost=cost,
+        candidate_notes=tuple(planner.candidates.notes),
         extra={"torch_sac_ilp": _torch_sac(planner, [r.budget_bytes for r in rows], torch_sac)},
+        planner=planner,
     )
 
 
@@ -250,8 +300,8 @@ def plot_pareto(
             "v:",
             label="PyTorch SAC MILP (budget less optimizer state; its modules recomputed whole)",
         )
-    ax.axhline(result.planner.plain_peak_bytes / mib, color="grey", lw=0.8, ls="--")
-    ax.axhline(result.planner.floor_bytes / mib, color="grey", lw=0.8, ls=":")
+    ax.axhline(result.plain_peak_bytes / mib, color="grey", lw=0.8, ls="--")
+    ax.axhline(result.floor_bytes / mib, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("extra compute in backward (" + ("ms, measured" if seconds else "GFLOP") + ")")
     ax.set_ylabel("predicted peak (MiB = 2^20 bytes)")
     ax.set_title(f"{result.model}: peak vs recomputation (dashed: plain peak, dotted: floor)", fontsize=10)

@@ -6,6 +6,12 @@ outputs of matrix multiplications and convolutions and recomputes the rest
 (``create_selective_checkpoint_contexts``). ``remove(model)`` restores the exact original ``forward``.
 Plans save to JSON by module path with a fingerprint of the model's structure, and refuse to apply to a
 model whose structure differs.
+
+A region may name one call of a module that runs several times per step (``call``, counted from 0 in
+each forward of the model, as the tracer counts): the wrapper counts the calls and checkpoints only that
+one. A region that updates module buffers in forward (a BatchNorm's running statistics) lists them in
+``restore``: the wrapper copies them before the call and runs the recomputation on the copy, so the
+buffers are updated once per call, as without the plan.
 """
 
 from __future__ import annotations
@@ -44,18 +50,51 @@ SAVED_OP_NAMES: frozenset[str] = frozenset(
     }
 )
 
-_ORIGINAL = "_trainledger_remat_original_forward"  # an instance attribute only while a plan is applied
+_STATE = "_trainledger_remat"  # instance attributes only while a plan is applied
+_HOOK = "_trainledger_remat_hook"
 _NO_INSTANCE_FORWARD = object()
 
 
 @dataclass(frozen=True)
 class Region:
-    """One recomputed region: a module path and how it is recomputed."""
+    """One recomputed region: a module (or one of its calls) and how it is recomputed."""
 
     path: str
     """Module path as ``model.named_modules()`` names it: ``blocks.3``, ``blocks.3.mlp``."""
     policy: Policy = "full"
     """``full``: keep only the module's inputs; ``selective``: also keep matmul/conv outputs."""
+    call: int | None = None
+    """Which call of the module, for a module called several times per step; ``None``: every call."""
+    num_calls: int = 1
+    """How many times the module is called per step (the traced step's count)."""
+    restore: tuple[str, ...] = ()
+    """Buffers (names from the model's root) the region's forward updates in place: recomputed on a copy."""
+
+    @property
+    def label(self) -> str:
+        """``blocks.3``, ``block (call 2 of 4)``, ``blocks.0 (selective)``."""
+        text = self.path
+        if self.call is not None:
+            text += f" (call {self.call + 1} of {self.num_calls})"
+        return text + (" (selective)" if self.policy == "selective" else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "policy": self.policy}
+        if self.call is not None:
+            out.update(call=self.call, num_calls=self.num_calls)
+        if self.restore:
+            out["restore"] = list(self.restore)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Region:
+        return cls(
+            str(d["path"]),
+            d.get("policy", "full"),
+            call=None if d.get("call") is None else int(d["call"]),
+            num_calls=int(d.get("num_calls", 1)),
+            restore=tuple(str(n) for n in d.get("restore", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -93,8 +132,10 @@ class Plan:
     # --- running it ------------------------------------------------------------------------------------
 
     def check(self, model: nn.Module) -> None:
-        """Raise ``InputError`` unless ``model`` has this plan's structure and every region path."""
+        """Raise ``InputError`` unless ``model`` has this plan's structure and every region can run."""
         modules = dict(model.named_modules())
+        buffers = dict(model.named_buffers())
+        seen: set[tuple[str, int | None]] = set()
         for r in self.regions:
             if r.path not in modules:
                 raise InputError(
@@ -103,6 +144,27 @@ class Plan:
                 )
             if r.policy not in POLICIES:
                 raise InputError(f"region {r.path!r} has policy {r.policy!r}; accepted: {', '.join(POLICIES)}")
+            module = modules[r.path]
+            if type(module).forward is nn.Module.forward:
+                held = ", ".join(f"{r.path}.{n}" for n, _ in module.named_children()) or "none"
+                raise InputError(
+                    f"module {r.path!r} is a {type(module).__name__}, which is never called (it has no forward); "
+                    f"recompute the modules it holds instead: {held}"
+                )
+            if r.call is not None and not 0 <= r.call < r.num_calls:
+                raise InputError(f"region {r.path!r}: call {r.call} is not one of its {r.num_calls} calls")
+            if (
+                (r.path, r.call) in seen
+                or (r.path, None) in seen
+                or (r.call is None and any(p == r.path for p, _ in seen))
+            ):
+                raise InputError(f"the plan names module {r.path!r} twice; give each call of a module once")
+            seen.add((r.path, r.call))
+            missing = [n for n in r.restore if n not in buffers]
+            if missing:
+                raise InputError(
+                    f"region {r.path!r} restores {', '.join(missing)}, which are not buffers of this model"
+                )
         got = structure_fingerprint(model)
         if got != self.fingerprint:
             raise InputError(
@@ -113,24 +175,45 @@ class Plan:
     def apply(self, model: nn.Module) -> None:
         """Make ``model`` recompute this plan's regions (in place; undo with :meth:`remove`)."""
         self.check(model)
+        if _HOOK in model.__dict__:
+            raise InputError("the model already runs under a plan; remove that plan first")
+        by_path: dict[str, list[Region]] = {}
         for r in self.regions:
-            module = model.get_submodule(r.path)
-            if _ORIGINAL in module.__dict__:
-                raise InputError(f"module {r.path!r} already runs under a plan; remove that plan first")
-        for r in self.regions:
-            _wrap(model.get_submodule(r.path), r.policy)
+            by_path.setdefault(r.path, []).append(r)
+        for path in by_path:
+            if _STATE in model.get_submodule(path).__dict__:
+                raise InputError(f"module {path!r} already runs under a plan; remove that plan first")
+        states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
+
+        def new_forward_of_the_model(_module: nn.Module, _args: Any) -> None:
+            if not _in_backward():  # call numbers restart with each forward of the model, as traced
+                for st in states:
+                    st.count = 0
+
+        model.__dict__[_HOOK] = model.register_forward_pre_hook(new_forward_of_the_model)
 
     def remove(self, model: nn.Module) -> None:
         """Restore the original ``forward`` of every region this plan wrapped."""
-        for r in self.regions:
-            module = model.get_submodule(r.path)
-            original = module.__dict__.pop(_ORIGINAL, None)
-            if original is None:
+        hook = model.__dict__.pop(_HOOK, None)
+        if hook is not None:
+            hook.remove()
+        for path in dict.fromkeys(r.path for r in self.regions):
+            module = model.get_submodule(path)
+            st = module.__dict__.pop(_STATE, None)
+            if st is None:
                 continue
-            if original is _NO_INSTANCE_FORWARD:
+            if st.original is _NO_INSTANCE_FORWARD:
                 del module.__dict__["forward"]
             else:
-                module.__dict__["forward"] = original
+                module.__dict__["forward"] = st.original
+
+    def runs(self, model: nn.Module) -> dict[Region, int]:
+        """How many times each region was checkpointed since :meth:`apply` (0: it never ran)."""
+        out: dict[Region, int] = {}
+        for r in self.regions:
+            st = model.get_submodule(r.path).__dict__.get(_STATE)
+            out[r] = 0 if st is None else st.ran.get(r.call, 0)
+        return out
 
     # --- JSON ---------------------------------------------------------------------------------------------
 
@@ -142,7 +225,7 @@ class Plan:
                 "schema": PLAN_SCHEMA,
                 "model": self.model,
                 "fingerprint": self.fingerprint,
-                "regions": [{"path": r.path, "policy": r.policy} for r in self.regions],
+                "regions": [r.to_dict() for r in self.regions],
                 "budget_bytes": self.budget_bytes,
                 "plain_peak_bytes": self.plain_peak_bytes,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -163,7 +246,7 @@ class Plan:
         if data.get("schema") != PLAN_SCHEMA:
             raise InputError(f"not a trainledger plan: schema {data.get('schema')!r}, expected {PLAN_SCHEMA!r}")
         try:
-            regions = tuple(Region(r["path"], r.get("policy", "full")) for r in data["regions"])
+            regions = tuple(Region.from_dict(r) for r in data["regions"])
             return cls(
                 regions=regions,
                 fingerprint=str(data["fingerprint"]),
@@ -180,7 +263,7 @@ class Plan:
                 floor_bytes=data.get("floor_bytes"),
                 notes=tuple(data.get("plan_notes", ())),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the plan file is missing {exc}; save plans with `trainledger plan --save`") from exc
 
     def save(self, path: str | Path) -> None:
@@ -227,19 +310,81 @@ def _context_fn(policy: Policy) -> Callable[[], Any] | None:
     return functools.partial(create_selective_checkpoint_contexts, _policy_fn)
 
 
-def _wrap(module: nn.Module, policy: Policy) -> None:
+def _in_backward() -> bool:
+    """Autograd's engine is running a node: a module called now is being recomputed (by any checkpoint)."""
+    return torch._C._current_autograd_node() is not None
+
+
+@dataclass
+class _Wrapped:
+    """What a wrapped module keeps while a plan is applied."""
+
+    original: Any
+    regions: dict[int | None, Region]
+    num_calls: int
+    count: int = 0
+    ran: dict[int | None, int] = field(default_factory=dict)
+
+
+def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrapped:
     from torch.utils.checkpoint import checkpoint
 
-    original = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
     inner = module.forward  # the bound method (or the instance's own function)
-    context_fn = _context_fn(policy)
-    extra = {} if context_fn is None else {"context_fn": context_fn}
+    st = _Wrapped(
+        module.__dict__.get("forward", _NO_INSTANCE_FORWARD),
+        {r.call: r for r in regions},
+        max(r.num_calls for r in regions),
+    )
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # nothing to save: run as is (evaluation, no_grad references)
+        if _in_backward():  # a recomputation (this plan's or the model's own checkpoint): run as it is
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        index = st.count % st.num_calls
+        st.count += 1
+        region = st.regions.get(index, st.regions.get(None))
+        if region is None or not torch.is_grad_enabled():  # not this call; or nothing to save (no_grad)
+            return inner(*args, **kwargs)
+        st.ran[region.call] = st.ran.get(region.call, 0) + 1
+        fn = _on_a_copy_when_recomputed(model, region.restore, inner) if region.restore else inner
+        context_fn = _context_fn(region.policy)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
-    module.__dict__[_ORIGINAL] = original
+    module.__dict__[_STATE] = st
     module.__dict__["forward"] = forward
+    return st
+
+
+def _on_a_copy_when_recomputed(
+    model: nn.Module, names: tuple[str, ...], inner: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``inner`` for a checkpoint whose forward updates buffers in place: the first run (forward) updates
+    them as usual; the recomputation runs on a copy of them as they were before, so they are updated once.
+
+    The copy is made before the call (no op may run inside a selective checkpoint's recomputation that
+    its forward did not run). A second backward through the same graph would recompute on the copy as
+    the first recomputation left it.
+    """
+    slots = []
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        slots.append((model.get_submodule(path) if path else model, attr))
+    before = [owner._buffers[attr].clone() for owner, attr in slots]  # the state this call starts from
+    ran = False
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal ran
+        if not ran:
+            ran = True
+            return inner(*args, **kwargs)
+        current = [owner._buffers[attr] for owner, attr in slots]
+        for (owner, attr), t in zip(slots, before, strict=True):
+            owner._buffers[attr] = t
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for (owner, attr), t in zip(slots, current, strict=True):
+                owner._buffers[attr] = t
+
+    return run

@@ -32,8 +32,9 @@ class StorageRecord:
     nbytes: int
     unsaved_free_event: int
     """First forward event at which it is gone when autograd keeps nothing (Python references only)."""
-    savers: frozenset[str]
-    """Module paths of the ops that save it for backward."""
+    savers: frozenset[int]
+    """Module calls (positions in the trace's ``Ledger.calls``) whose ops save it for backward; ``-1``: an op
+    outside every module (the loss)."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,11 @@ class ForwardRecord:
     inputs: tuple[tuple[int, ...], ...]
     """Per op, the alloc events of the forward-allocated storages it reads."""
     storages: tuple[StorageRecord, ...]
-    packs: tuple[tuple[int, str], ...] = ()
-    """Every tensor autograd saved: (the last op dispatched before the save, the module then running).
+    packs: tuple[tuple[int, int], ...] = ()
+    """Every tensor autograd saved: (the last op dispatched before the save, the module call then running).
     A region's recomputation stops inside its last save, so that op is the last one it runs."""
+    calls: tuple[tuple[str, int], ...] = ()
+    """Every module call, as (path, call number): the trace's calls, when the forward lines up."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -69,8 +72,8 @@ class _Recorder(TorchDispatchMode):
         self.freed: dict[int, int] = {}  # alloc event index of record -> free event
         self.records: list[list[Any]] = []  # [alloc_event, nbytes, free_event, savers]
         self.by_key: dict[int, int] = {}
-        self.packs: list[tuple[int, str]] = []
-        self.pending: list[tuple[int, str]] = []  # (last op, module) of packs since the last op
+        self.packs: list[tuple[int, int]] = []
+        self.pending: list[tuple[int, int]] = []  # (last op, module call) of packs since the last op
         self._refs: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -122,11 +125,12 @@ class _Recorder(TorchDispatchMode):
         return cb
 
     def pack(self, t: torch.Tensor) -> None:
-        self.pending.append((len(self.ops) - 1, self.scopes.current))
+        call = self.scopes.current_call
+        self.pending.append((len(self.ops) - 1, call))
         if t.layout == torch.strided:
             rec = self.by_key.get(storage_key(t))
             if rec is not None:
-                self.records[rec][3].add(self.scopes.current)
+                self.records[rec][3].add(call)
         return None  # keep nothing: tensors live only as long as Python holds them
 
 
@@ -163,6 +167,7 @@ def _record_runs(workload: Workload, roots: list[tuple[str, nn.Module]], runs: l
     for _ in range(max(1, repeats) + 1):
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, flop_registry)
+        scopes.clock = lambda rec=rec: len(rec.ops)
         scopes.open()
         try:
             with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda _x: None), rec, _autocast(workload):
@@ -191,6 +196,7 @@ def _combine(runs: list[_Recorder]) -> ForwardRecord:
         tuple(first.inputs),
         storages,
         tuple(first.packs),
+        tuple((c.path, c.index) for c in first.scopes.calls),
     )
 
 

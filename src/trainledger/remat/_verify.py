@@ -1,8 +1,12 @@
-"""Prove a plan: apply it, trace the step again, compare gradients bit for bit, time the step.
+"""Prove a plan: apply it, trace the step again, compare gradients and state bit for bit, time the step.
 
 Gradients are compared on one forward and backward from the same model state and the same RNG seed, with
 and without the plan (dropout on: the plan's checkpointing preserves the RNG state, so the masks drawn
-during recomputation are the ones drawn in forward). The model and optimizer state are restored after.
+during recomputation are the ones drawn in forward). Then one whole training step is run from the same
+state with and without the plan, and every parameter, buffer (a BatchNorm's running statistics) and
+optimizer state tensor after it is compared bit for bit: a recomputation that updated a buffer a second
+time shows here. The re-traced step also tells whether every region of the plan ran. The model and
+optimizer state are restored after.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainledger.ledger import Ledger
+from trainledger.ledger import LedgerSummary
 from trainledger.remat._plan import Plan
 from trainledger.workload import Workload, call_model, compute_loss, run_step
 
@@ -27,14 +32,20 @@ AGREEMENT = 0.01
 class Verification:
     """What running the plan showed."""
 
-    traced: Ledger
-    """The step traced again with the plan applied."""
+    traced: LedgerSummary
+    """The figures of the step traced again with the plan applied."""
     predicted_peak_bytes: int
     traced_peak_bytes: int
     budget_bytes: int | None
     gradients_bitwise_equal: bool
     num_gradients: int
     mismatched: tuple[str, ...]
+    state_bitwise_equal: bool
+    """Parameters, buffers and optimizer state after one step with the plan equal those without it."""
+    num_state: int
+    mismatched_state: tuple[str, ...]
+    not_run: tuple[str, ...]
+    """Regions of the plan that were never recomputed in the traced step (a plan that does nothing there)."""
     plain_step_seconds: float
     planned_step_seconds: float
     """Medians over repeated untraced steps."""
@@ -52,6 +63,11 @@ class Verification:
         return self.budget_bytes is None or self.traced_peak_bytes <= self.budget_bytes
 
     @property
+    def passed(self) -> bool:
+        """Within the budget, gradients and state bitwise equal, and every region ran."""
+        return self.within_budget and self.gradients_bitwise_equal and self.state_bitwise_equal and not self.not_run
+
+    @property
     def extra_step_seconds(self) -> float:
         return self.planned_step_seconds - self.plain_step_seconds
 
@@ -67,10 +83,34 @@ class Verification:
             "gradients_bitwise_equal": self.gradients_bitwise_equal,
             "num_gradients": self.num_gradients,
             "mismatched_gradients": list(self.mismatched),
+            "state_bitwise_equal": self.state_bitwise_equal,
+            "num_state_tensors": self.num_state,
+            "mismatched_state": list(self.mismatched_state),
+            "regions_not_run": list(self.not_run),
+            "passed": self.passed,
             "plain_step_seconds": self.plain_step_seconds,
             "planned_step_seconds": self.planned_step_seconds,
             "extra_step_seconds": self.extra_step_seconds,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, traced: LedgerSummary) -> Verification:
+        """Read ``to_dict()`` back; the re-traced step's figures are saved beside it (``traced``)."""
+        return cls(
+            traced=traced,
+            predicted_peak_bytes=int(data["predicted_peak_bytes"]),
+            traced_peak_bytes=int(data["traced_peak_bytes"]),
+            budget_bytes=data.get("budget_bytes"),
+            gradients_bitwise_equal=bool(data["gradients_bitwise_equal"]),
+            num_gradients=int(data["num_gradients"]),
+            mismatched=tuple(data["mismatched_gradients"]),
+            state_bitwise_equal=bool(data["state_bitwise_equal"]),
+            num_state=int(data["num_state_tensors"]),
+            mismatched_state=tuple(data["mismatched_state"]),
+            not_run=tuple(data["regions_not_run"]),
+            plain_step_seconds=float(data["plain_step_seconds"]),
+            planned_step_seconds=float(data["planned_step_seconds"]),
+        )
 
 
 def gradients(workload: Workload, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -90,23 +130,63 @@ def gradients(workload: Workload, *, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def compare_gradients(workload: Workload, plan: Plan, *, seed: int = 0) -> tuple[bool, int, tuple[str, ...]]:
     """Gradients with and without the plan, from the same state and seed: (bitwise equal, count, mismatched)."""
-    model = workload.model
-    state = copy.deepcopy(model.state_dict())
+    return _with_and_without(workload, plan, lambda: gradients(workload, seed=seed))
+
+
+def state_after_step(workload: Workload, *, seed: int = 0) -> dict[str, Any]:
+    """Every parameter, buffer and optimizer state value after one training step from the current state
+    with ``torch.manual_seed(seed)`` (copies; the model and optimizer are left stepped)."""
+    model, opt = workload.model, workload.get_optimizer()
+    torch.manual_seed(seed)
+    run_step(workload)
+    out: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        out[f"parameter {name}"] = p.detach().clone()
+    for name, b in model.named_buffers():
+        out[f"buffer {name}"] = b.detach().clone()
+    for index, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"optimizer state {index}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def compare_state(workload: Workload, plan: Plan, *, seed: int = 0) -> tuple[bool, int, tuple[str, ...]]:
+    """One whole step with and without the plan, from the same state and seed: (bitwise equal, count, mismatched)."""
+    return _with_and_without(workload, plan, lambda: state_after_step(workload, seed=seed))
+
+
+def _with_and_without(
+    workload: Workload, plan: Plan, observe: Callable[[], dict[str, Any]]
+) -> tuple[bool, int, tuple[str, ...]]:
+    """``observe()`` from the same model, optimizer and RNG state without and with the plan, compared value
+    by value: (all bitwise equal, how many values, the names that differ). Everything is rewound after."""
+    model, opt = workload.model, workload.get_optimizer()
+    state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     rng = torch.get_rng_state()
-    try:
-        plain = gradients(workload, seed=seed)
+
+    def rewind() -> None:
         model.load_state_dict(state)
+        opt.load_state_dict(copy.deepcopy(opt_state))
+
+    try:
+        plain = observe()
+        rewind()
         plan.apply(model)
         try:
-            planned = gradients(workload, seed=seed)
+            planned = observe()
         finally:
             plan.remove(model)
     finally:
-        model.load_state_dict(state)
+        rewind()
         torch.set_rng_state(rng)
-    names = sorted(plain.keys() | planned.keys())
-    mismatched = tuple(n for n in names if n not in plain or n not in planned or not torch.equal(plain[n], planned[n]))
+    mismatched = tuple(n for n in sorted(plain.keys() | planned.keys()) if not _same(plain.get(n), planned.get(n)))
     return not mismatched, len(plain), mismatched
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a is not None and type(a) is type(b) and a == b
 
 
 def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[float, float]:
@@ -152,21 +232,27 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
     from trainledger.trace import trace
 
     equal, count, mismatched = compare_gradients(workload, plan)
+    state_equal, num_state, state_mismatched = compare_state(workload, plan)
     plain_s, planned_s = step_seconds(workload, plan, repeats=repeats) if timing else (0.0, 0.0)
     plan.apply(workload.model)
     try:
         traced = trace(workload)
+        runs = plan.runs(workload.model)
     finally:
         plan.remove(workload.model)
     predicted = plan.predicted_peak_bytes if plan.predicted_peak_bytes is not None else traced.peak().bytes
     return Verification(
-        traced=traced,
+        traced=traced.summary(),
         predicted_peak_bytes=predicted,
         traced_peak_bytes=traced.peak().bytes,
         budget_bytes=plan.budget_bytes,
         gradients_bitwise_equal=equal,
         num_gradients=count,
         mismatched=mismatched,
+        state_bitwise_equal=state_equal,
+        num_state=num_state,
+        mismatched_state=state_mismatched,
+        not_run=tuple(r.label for r, n in runs.items() if n == 0),
         plain_step_seconds=plain_s,
         planned_step_seconds=planned_s,
     )

@@ -1,9 +1,18 @@
 """Candidate regions and their costs, from a traced step, and the memory of any plan on that trace.
 
-A candidate is a module whose forward can be wrapped in non-reentrant ``torch.utils.checkpoint``: the
-blocks of the model's repeated containers (a ``ModuleList`` or ``Sequential``) and its other top-level
-modules form the chain; inside a block, its large submodules (attention, MLP) and a selective policy
-(keep matmul outputs) are finer candidates.
+A candidate is one *call* of a module whose forward can be wrapped in non-reentrant
+``torch.utils.checkpoint``. Only calls that ran in the traced step, with autograd recording and a backward
+of their own, are candidates (a ``ModuleList`` is never called, so its blocks are the candidates). The
+chain is found on the tree of calls: wrappers (a call holding one call) and stacks of repeated blocks
+(two or more calls of the same class, or of the same module) are opened, and what remains are the chain's
+positions; inside each, its large sub-calls (attention, MLP) and a selective policy (keep matmul
+outputs) are finer candidates. A module called several times in one step (a shared block, a policy run
+on two batches) gives one candidate per call.
+
+A call that writes in place to state that existed before it would write it again when recomputed. Module
+buffers (a BatchNorm's running statistics) are made safe: the plan keeps a copy of them from before the
+call and runs the recomputation on that copy (see :mod:`trainledger.remat._plan`). A call that writes
+anything else that is older than itself (its own input, a parameter) is not a candidate.
 
 What non-reentrant checkpointing does, and what :func:`replay` therefore does to the plain step's ledger:
 
@@ -24,19 +33,106 @@ region's backward, so a plan's predicted ledger has a real breakdown at its peak
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Any, Literal
 
 import numpy as np
 from torch import nn
 
-from trainledger.ledger import Category, Entry, Event, Ledger
+from trainledger.ledger import Category, Entry, Event, Ledger, ModuleCall
 from trainledger.remat._plan import SAVED_OP_NAMES, Policy, Region
 from trainledger.remat._record import ForwardRecord, StorageRecord
 from trainledger.remat.solvers import Chain, LinearModel
+from trainledger.trace import KERNEL_INTERNAL
 
 CostKind = Literal["seconds", "flops"]
+ROOT = "(root)"
+
+
+# --- the tree of calls ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallTree:
+    """The traced step's module calls as a tree, with what the planner asks of it."""
+
+    calls: tuple[ModuleCall, ...]
+    children: tuple[tuple[int, ...], ...]
+    top: tuple[int, ...]
+    """Calls made outside every module (the model's own call, modules called from the loss)."""
+    subtree: tuple[frozenset[int], ...]
+    """Per call, itself and every call made inside it."""
+    num_calls: dict[str, int]
+    """Calls per module path in the step."""
+
+    @classmethod
+    def of(cls, calls: Sequence[ModuleCall]) -> CallTree:
+        kids: list[list[int]] = [[] for _ in calls]
+        top = []
+        for i, c in enumerate(calls):
+            (top if c.parent is None else kids[c.parent]).append(i)
+        subtree: list[frozenset[int]] = [frozenset()] * len(calls)
+        for i in reversed(range(len(calls))):  # children come after their parent
+            subtree[i] = frozenset({i}).union(*(subtree[k] for k in kids[i]))
+        num: dict[str, int] = {}
+        for c in calls:
+            num[c.path] = num.get(c.path, 0) + 1
+        return cls(tuple(calls), tuple(map(tuple, kids)), tuple(top), tuple(subtree), num)
+
+    def runs_backward(self, i: int) -> bool:
+        """Ran with autograd recording, dispatched ops, and some of them ran again in backward."""
+        c = self.calls[i]
+        return c.grad and c.stop > c.start and c.backward_start is not None
+
+    def region(self, i: int, policy: Policy, restore: tuple[str, ...] = ()) -> Region:
+        c = self.calls[i]
+        n = self.num_calls[c.path]
+        return Region(c.path, policy, call=c.index if n > 1 else None, num_calls=n, restore=restore)
+
+
+def _positions(tree: CallTree, model: nn.Module) -> tuple[list[int], set[int]]:
+    """The chain: calls in forward order, found by opening the model's call, wrappers and block stacks.
+
+    Returns the positions and, among them, the blocks of repeated stacks (what uniform checkpointing wraps).
+    """
+    live = [tree.runs_backward(i) for i in range(len(tree.calls))]
+    kids = [[k for k in tree.children[i] if live[k]] for i in range(len(tree.calls))]
+
+    def kind(i: int) -> type:
+        return type(_module(model, tree.calls[i].path))
+
+    def repeated(i: int) -> set[type]:
+        """Classes of which ``i`` calls two or more blocks (calls that themselves call modules)."""
+        seen: dict[type, int] = {}
+        for k in kids[i]:
+            if kids[k]:
+                seen[kind(k)] = seen.get(kind(k), 0) + 1
+        return {t for t, n in seen.items() if n >= 2}
+
+    stacks = {i: repeated(i) for i in range(len(tree.calls)) if live[i]}
+    holds_stack = {i for i in stacks if any(stacks[j] for j in tree.subtree[i] if j in stacks)}
+    positions: list[int] = []
+    blocks: set[int] = set()
+
+    def visit(ids: Sequence[int], block_kinds: set[type]) -> None:
+        ids = [i for i in ids if live[i]]
+        for i in ids:
+            # opened: the model's own call, a call alone at its level or holding one call (a wrapper and
+            # what it wraps), and calls that hold a stack of blocks somewhere inside
+            if tree.calls[i].path == ROOT or len(ids) == 1 or len(kids[i]) == 1 or i in holds_stack:
+                visit(kids[i], stacks[i])
+            else:
+                positions.append(i)
+                if kind(i) in block_kinds:
+                    blocks.add(i)
+
+    visit(tree.top, set())
+    return sorted(positions, key=lambda i: tree.calls[i].start), blocks
+
+
+def _module(model: nn.Module, path: str) -> nn.Module:
+    return model if path == ROOT else model.get_submodule(path)
 
 
 # --- candidates -----------------------------------------------------------------------------------------
@@ -47,12 +143,14 @@ class Candidate:
     """One region that can be recomputed, located on the plain step's event clock."""
 
     region: Region
+    call: int
+    """Position of the module call in ``Ledger.calls``."""
     position: int
-    """Index of the top-level region (chain position) it belongs to."""
+    """Index of the chain position it belongs to."""
     fwd: tuple[int, int]
-    """First and last forward event of the module (inclusive)."""
+    """First and last forward event of the call (inclusive)."""
     bwd: tuple[int, int]
-    """First and last backward event of the module (inclusive)."""
+    """First and last backward event of the call (inclusive)."""
     stop: int
     """Last forward event the recomputation runs (early stop: the last op whose output backward needs)."""
     saved_bytes: int
@@ -60,16 +158,16 @@ class Candidate:
     flops: int
     seconds: float
     covers: frozenset[str]
-    """Module paths with forward ops inside the region; overlapping candidates conflict."""
+    """The calls inside the region; overlapping candidates conflict."""
 
     @property
     def name(self) -> str:
-        return self.region.path + (" (selective)" if self.region.policy == "selective" else "")
+        return self.region.label
 
 
 @dataclass(frozen=True)
 class _EntryInfo:
-    savers: frozenset[str]
+    savers: frozenset[int]
     unsaved_free: int
 
 
@@ -81,21 +179,24 @@ class Candidates:
     record: ForwardRecord | None
     candidates: tuple[Candidate, ...]
     positions: tuple[str, ...]
+    """The chain's positions, by label."""
+    tree: CallTree = field(repr=False)
     info: dict[int, _EntryInfo] = field(repr=False)
     """Per entry index of ``plain`` (forward-allocated entries only)."""
-    inputs: dict[str, tuple[int, ...]] = field(repr=False)
-    """Per candidate path, plain entry indices of its inputs (allocated in forward before it)."""
+    inputs: dict[int, tuple[int, ...]] = field(repr=False)
+    """Per candidate call, plain entry indices of its inputs (allocated in forward before it)."""
+    blocks: tuple[int, ...] = ()
+    """Full-policy candidates of the blocks of repeated stacks (what uniform checkpointing wraps)."""
     notes: tuple[str, ...] = ()
 
     def index(self, region: Region) -> int:
         for i, c in enumerate(self.candidates):
             if c.region == region:
                 return i
+        for i, c in enumerate(self.candidates):  # a region as written by hand: path, policy and call
+            if (c.region.path, c.region.policy, c.region.call) == (region.path, region.policy, region.call):
+                return i
         raise KeyError(region)
-
-
-def _subtree(path: str, module: str) -> bool:
-    return module == path or module.startswith(path + ".")
 
 
 def find_candidates(
@@ -108,123 +209,112 @@ def find_candidates(
     """Candidate regions of ``model`` on its plain traced ``plain`` ledger.
 
     Arguments:
-        plain: the traced plain step.
-        model: the model (for its module tree).
+        plain: the traced plain step (with its module calls).
+        model: the model (for the classes of its modules).
         record: :func:`record_forward` of the same step (forward frees, savers, FLOPs and times); when
             it does not line up with the trace, saved tensors are assumed freed at the end of their
             region's forward and the note says so.
-        min_share: a submodule of a block is a candidate when it saves at least this share of the
-            block's activations.
+        min_share: a sub-call of a position is a candidate when it saves at least this share of the
+            position's activations.
     """
+    if not plain.calls:
+        raise ValueError("the ledger has no module calls; plan from a fresh trace")
     notes: list[str] = []
-    events = plain.events
-    fwd_events = [e for e in events if e.phase == "forward"]
-    if record is not None and tuple(e.op for e in fwd_events) != record.ops:
+    tree = CallTree.of(plain.calls)
+    num_fwd = sum(1 for e in plain.events if e.phase == "forward")
+    if record is not None and (
+        tuple(e.op for e in plain.events[:num_fwd]) != record.ops
+        or tuple((c.path, c.index) for c in plain.calls) != record.calls
+    ):
         notes.append(
             "the recorded forward did not line up with the trace op for op; saved tensors of recomputed "
             "regions are assumed freed at the end of the region's forward (an overestimate)"
         )
         record = None
-    num_fwd = len(fwd_events)
-    # entries allocated in forward: match to recorded storages by (alloc event, bytes)
-    info: dict[int, _EntryInfo] = {}
-    pool: dict[tuple[int, int], list[StorageRecord]] = {}
-    if record is not None:
-        for s in record.storages:
-            pool.setdefault((s.alloc_event, s.nbytes), []).append(s)
-    for i, e in enumerate(plain.entries):
-        if e.alloc_event is None or e.alloc_event >= num_fwd:
+    info = _entry_info(plain, record, num_fwd)
+    positions, block_calls = _positions(tree, model)
+    unsafe = _unsafe_writes(plain, tree)
+    skipped = sorted({tree.calls[i].path for i in unsafe if i in positions})
+    if skipped:
+        notes.append(
+            "not recomputed, because their forward writes in place to a tensor older than the call (an input, "
+            "a parameter) that recomputation would write again: " + ", ".join(skipped)
+        )
+    cands: list[Candidate] = []
+    labels: list[str] = []
+    blocks: list[int] = []
+    for i in positions:
+        if i in unsafe:
             continue
+        whole = _candidate(plain, tree, record, info, i, "full", len(labels))
+        if whole is None or whole.saved_bytes == 0:
+            continue
+        labels.append(whole.region.label)
+        if i in block_calls:
+            blocks.append(len(cands))
+        cands.append(whole)
+        selective = _candidate(plain, tree, record, info, i, "selective", whole.position)
+        if selective is not None and selective.saved_bytes and selective.seconds < whole.seconds:
+            cands.append(selective)
+        for k in tree.children[i]:
+            if k in unsafe or not tree.runs_backward(k):
+                continue
+            c = _candidate(plain, tree, record, info, k, "full", whole.position)
+            if c is not None and c.saved_bytes >= min_share * whole.saved_bytes:
+                cands.append(c)
+    inputs = {c.call: _inputs_of(plain, record, c) for c in cands}
+    return Candidates(plain, record, tuple(cands), tuple(labels), tree, info, inputs, tuple(blocks), tuple(notes))
+
+
+def _entry_info(plain: Ledger, record: ForwardRecord | None, num_fwd: int) -> dict[int, _EntryInfo]:
+    """Entries allocated in forward, matched to the recorded storages by (alloc event, bytes)."""
+    info: dict[int, _EntryInfo] = {}
+    if record is None:
+        return info
+    pool: dict[tuple[int, int], list[StorageRecord]] = {}
+    for s in record.storages:
+        pool.setdefault((s.alloc_event, s.nbytes), []).append(s)
+    for i, e in enumerate(plain.entries):
+        if e.alloc_event is None or e.alloc_event >= num_fwd or e.role == KERNEL_INTERNAL:
+            continue  # (a kernel's own buffer is no storage the recorded forward saw)
         recs = pool.get((e.alloc_event, e.nbytes))
         if recs:
             s = recs.pop(0)
             info[i] = _EntryInfo(s.savers, s.unsaved_free_event)
-    paths = _module_ranges(events)
-    tops = _top_level(model, paths)
-    cands: list[Candidate] = []
-    inputs: dict[str, tuple[int, ...]] = {}
-    positions: list[str] = []
-    for top in tops:
-        whole = _candidate(plain, record, info, top, "full", len(positions), paths)
-        if whole is None or whole.saved_bytes == 0:
-            continue
-        pos = len(positions)
-        positions.append(top)
-        cands.append(whole)
-        selective = _candidate(plain, record, info, top, "selective", pos, paths)
-        if selective is not None and selective.saved_bytes and selective.seconds < whole.seconds:
-            cands.append(selective)
-        for child_name, _child in model.get_submodule(top).named_children():
-            path = f"{top}.{child_name}"
-            c = _candidate(plain, record, info, path, "full", pos, paths)
-            if c is not None and c.saved_bytes >= min_share * whole.saved_bytes:
-                cands.append(c)
-    for c in cands:
-        inputs[c.region.path] = _inputs_of(plain, record, c)
-    return Candidates(plain, record, tuple(cands), tuple(positions), info, inputs, tuple(notes))
+    return info
 
 
-def _module_ranges(events: Sequence[Event]) -> dict[str, dict[str, list[int]]]:
-    """Per module path (and every ancestor), its forward and backward event indices."""
-    out: dict[str, dict[str, list[int]]] = {}
-    for ev in events:
-        if ev.phase not in ("forward", "backward") or not ev.module or ev.module.startswith("("):
-            continue
-        parts = ev.module.split(".")
-        for k in range(1, len(parts) + 1):
-            out.setdefault(".".join(parts[:k]), {"forward": [], "backward": []})[ev.phase].append(ev.index)
-    return out
-
-
-def _top_level(model: nn.Module, paths: dict[str, dict[str, list[int]]]) -> list[str]:
-    """Children of repeated containers (ModuleList, a Sequential of blocks) and other direct children, in
-    forward order."""
-    tops: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) >= 2:
-                visit(path, child)
-            elif isinstance(child, nn.Sequential) and any(next(c.children(), None) is not None for c in child):
-                visit(path, child)  # a Sequential of blocks; a Sequential of single layers is one block
-            elif path in paths and paths[path]["forward"]:
-                tops.append(path)
-
-    root = model
-    while len(list(root.children())) == 1 and not isinstance(root, (nn.ModuleList, nn.Sequential)):
-        root = next(root.children())  # a wrapper around the real model
-    prefix = next((n for n, m in model.named_modules() if m is root), "")
-    visit(prefix, root)
-    return sorted(tops, key=lambda p: paths[p]["forward"][0])
+def _unsafe_writes(plain: Ledger, tree: CallTree) -> set[int]:
+    """Calls that write in place to something older than themselves other than a module buffer."""
+    buffers = {e.name for e in plain.entries if e.role == "buffer"}
+    return {i for i, c in enumerate(tree.calls) if any(w not in buffers for w in c.writes)}
 
 
 def _candidate(
     plain: Ledger,
+    tree: CallTree,
     record: ForwardRecord | None,
     info: dict[int, _EntryInfo],
-    path: str,
+    call: int,
     policy: Policy,
     position: int,
-    paths: dict[str, dict[str, list[int]]],
 ) -> Candidate | None:
-    r = paths.get(path)
-    if r is None or not r["forward"] or not r["backward"]:
+    c = tree.calls[call]
+    if not tree.runs_backward(call):
         return None
-    f0, f1 = r["forward"][0], r["forward"][-1]
-    if len(r["forward"]) != f1 - f0 + 1:  # called more than once, or interleaved with other modules
-        return None
-    t0, t1 = r["backward"][0], r["backward"][-1]
-    saved_in = _saved_inside(plain, info, path, f0, f1, t0)
+    f0, f1 = c.start, c.stop - 1
+    t0, t1 = c.backward_start, c.backward_stop - 1  # type: ignore[operator]
+    inside = tree.subtree[call]
+    saved_in = _saved_inside(plain, info, inside, f0, f1, t0)  # type: ignore[arg-type]
     if not saved_in:
         return None
     # Early stop: the recomputation ends inside the save of the last tensor the region saved (its own
     # outputs, its inputs or its weights): the op dispatched just before that save is the last that runs.
     stop = max(plain.entries[i].alloc_event for i in saved_in)  # type: ignore[type-var]
     if record is not None and record.packs:
-        stop = max([stop, *(f for f, m in record.packs if f0 <= f <= f1 and _subtree(path, m))])
+        stop = max([stop, *(f for f, k in record.packs if f0 <= f <= f1 and k in inside)])
     early = [i for i in saved_in if not _cached(plain, i, policy)]
-    saved_bytes = sum(plain.entries[i].nbytes for i in early if not _mixed(info, i, path))
+    saved_bytes = sum(plain.entries[i].nbytes for i in early if not _mixed(info, i, inside))
     if policy == "selective":  # non-saved matmul outputs are held by the cache until recomputation
         saved_bytes -= sum(
             e.nbytes
@@ -233,18 +323,31 @@ def _candidate(
             and f0 <= e.alloc_event <= f1
             and _cached(plain, i, policy)
             and i not in saved_in
-            and (e.free_event is not None and e.free_event < t0)
+            and (e.free_event is not None and e.free_event < t0)  # type: ignore[operator]
         )
     recomputed = [
         f for f in range(f0, stop + 1) if not (policy == "selective" and plain.events[f].op in SAVED_OP_NAMES)
     ]
     flops = sum(record.flops[f] for f in recomputed) if record is not None else 0
     seconds = sum(record.seconds[f] for f in recomputed) if record is not None else float(len(recomputed))
-    covers = frozenset(m for m in paths if _subtree(path, m) and paths[m]["forward"])
-    return Candidate(Region(path, policy), position, (f0, f1), (t0, t1), stop, saved_bytes, flops, seconds, covers)
+    restore = tuple(sorted(c.writes))
+    return Candidate(
+        tree.region(call, policy, restore),
+        call,
+        position,
+        (f0, f1),
+        (t0, t1),  # type: ignore[arg-type]
+        stop,
+        saved_bytes,
+        flops,
+        seconds,
+        frozenset(str(k) for k in inside),
+    )
 
 
-def _saved_inside(plain: Ledger, info: dict[int, _EntryInfo], path: str, f0: int, f1: int, t0: int) -> list[int]:
+def _saved_inside(
+    plain: Ledger, info: dict[int, _EntryInfo], inside: frozenset[int], f0: int, f1: int, t0: int
+) -> list[int]:
     """Entries allocated in the region's forward that the region's own ops save for its backward."""
     out = []
     for i, e in enumerate(plain.entries):
@@ -253,20 +356,26 @@ def _saved_inside(plain: Ledger, info: dict[int, _EntryInfo], path: str, f0: int
         if e.free_event is None or e.free_event <= t0:
             continue
         inf = info.get(i)
-        if inf is not None and not any(_subtree(path, s) for s in inf.savers):
+        if inf is not None and not inf.savers & inside:
             continue
         out.append(i)
     return out
 
 
-def _mixed(info: dict[int, _EntryInfo], i: int, path: str) -> bool:
+def _mixed(info: dict[int, _EntryInfo], i: int, inside: frozenset[int]) -> bool:
     inf = info.get(i)
-    return inf is not None and any(not _subtree(path, s) for s in inf.savers)
+    return inf is not None and not inf.savers <= inside
 
 
 def _cached(plain: Ledger, i: int, policy: Policy) -> bool:
+    """A selective region keeps this output of a matmul-like op (not the kernel's own buffers)."""
     e = plain.entries[i]
-    return policy == "selective" and e.alloc_event is not None and plain.events[e.alloc_event].op in SAVED_OP_NAMES
+    return (
+        policy == "selective"
+        and e.alloc_event is not None
+        and plain.events[e.alloc_event].op in SAVED_OP_NAMES
+        and e.role != KERNEL_INTERNAL
+    )
 
 
 def _inputs_of(plain: Ledger, record: ForwardRecord | None, c: Candidate) -> tuple[int, ...]:
@@ -274,7 +383,11 @@ def _inputs_of(plain: Ledger, record: ForwardRecord | None, c: Candidate) -> tup
         return ()
     f0, f1 = c.fwd
     reads = {a for f in range(f0, f1 + 1) for a in record.inputs[f] if a < f0}
-    return tuple(i for i, e in enumerate(plain.entries) if e.alloc_event is not None and e.alloc_event in reads)
+    return tuple(
+        i
+        for i, e in enumerate(plain.entries)
+        if e.alloc_event is not None and e.alloc_event in reads and e.role != KERNEL_INTERNAL
+    )
 
 
 # --- replaying a plan on the trace ------------------------------------------------------------------------
@@ -320,28 +433,17 @@ def replay(cs: Candidates, chosen: Sequence[int], *, phantoms: Sequence[int] | N
     """The plain step's ledger as it is predicted to be when the ``chosen`` candidates are recomputed.
 
     Arguments:
-        chosen: candidate indices (compatible: no two covering the same module).
+        chosen: candidate indices (compatible: no two covering the same call).
         phantoms: candidates whose recomputation points are laid out on the clock (default: ``chosen``);
             laying out every candidate's gives every plan the same points (the linear model's).
     """
     plain = cs.plain
     lay = _layout(cs, chosen if phantoms is None else phantoms)
-    new = lay.new
-
-    def nw(i: int | None) -> int | None:
-        return None if i is None else int(new[i])
-
     touched: dict[int, Entry] = {}
     extra: list[Entry] = []
     for j in chosen:
-        c = cs.candidates[j]
-        _replay_one(cs, j, c, lay, touched, extra)
-    out: list[Entry] = []
-    for i, e in enumerate(plain.entries):
-        if i in touched:
-            out.append(touched[i])
-        else:
-            out.append(_moved(e, nw(e.alloc_event), nw(e.free_event)))
+        _replay_one(cs, j, cs.candidates[j], lay, touched, extra)
+    out = [touched[i] if i in touched else _moved(e, lay) for i, e in enumerate(plain.entries)]
     out.extend(extra)
     return Ledger(
         tuple(out),
@@ -350,26 +452,42 @@ def replay(cs: Candidates, chosen: Sequence[int], *, phantoms: Sequence[int] | N
         device=plain.device,
         notes=(*plain.notes, *cs.notes),
         meta={**plain.meta, "recomputed": [cs.candidates[j].name for j in chosen]},
+        calls=tuple(_moved_call(c, lay) for c in plain.calls),
     )
 
 
-def _moved(e: Entry, alloc: int | None, free: int | None, **kw: Any) -> Entry:
-    last = e.last_use_event
-    return Entry(
-        name=kw.get("name", e.name),
-        category=kw.get("category", e.category),
-        role=kw.get("role", e.role),
-        dtype=e.dtype,
-        numel=e.numel,
-        nbytes=e.nbytes,
-        device=e.device,
-        owner=e.owner,
-        alloc_event=alloc,
-        free_event=free,
-        evidence=e.evidence,
-        shape=e.shape,
-        aliases=e.aliases,
-        last_use_event=kw.get("last_use_event", last),
+def _new(lay: _Layout, event: int | None) -> int | None:
+    """Where event ``event`` of the plain step is on the new clock."""
+    return None if event is None else int(lay.new[event])
+
+
+def _end(lay: _Layout, event: int | None) -> int | None:
+    """Where an end (a free, a stop: "not live from ``event`` on") of the plain step is on the new clock.
+
+    Live through ``event - 1``, so freed before any recomputation inserted ahead of ``event``: a gradient
+    the engine frees just before the node that triggers a recomputation is not live during it.
+    """
+    return None if event is None else (int(lay.new[event - 1]) + 1 if event else 0)
+
+
+def _moved(e: Entry, lay: _Layout, alloc: int | None = -1, free: int | None = -1, **changes: Any) -> Entry:
+    """``e`` on the new clock; ``alloc``/``free`` given (not ``-1``) are already new event indices."""
+    return replace(
+        e,
+        alloc_event=_new(lay, e.alloc_event) if alloc == -1 else alloc,
+        free_event=_end(lay, e.free_event) if free == -1 else free,
+        last_use_event=_new(lay, e.last_use_event),
+        **changes,
+    )
+
+
+def _moved_call(c: ModuleCall, lay: _Layout) -> ModuleCall:
+    return replace(
+        c,
+        start=int(lay.new[c.start]),
+        stop=int(_end(lay, c.stop)),  # type: ignore[arg-type]
+        backward_start=_new(lay, c.backward_start),
+        backward_stop=_end(lay, c.backward_stop),
     )
 
 
@@ -385,55 +503,80 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
         return start + (f - f0)
 
     rec_end = ph(s) + 1  # the recomputation is over (early stop): its temporaries are gone
-    path, policy = c.region.path, c.region.policy
-    saved_in = set(_saved_inside(plain, cs.info, path, f0, f1, t0))
+    inside = cs.tree.subtree[c.call]
+    policy = c.region.policy
+    keep_until = int(new[t1]) + 1
+    saved_in = set(_saved_inside(plain, cs.info, inside, f0, f1, t0))
     for i, e in enumerate(plain.entries):
         a = e.alloc_event
         if a is None or not f0 <= a <= f1:
             continue
         inf = cs.info.get(i)
         uf = inf.unsaved_free if inf is not None else f1 + 1
-        free_old = int(new[e.free_event]) if e.free_event is not None else None
+        free_old = _end(lay, e.free_event)
         if _cached(plain, i, policy):  # selective: kept by the cache, not recomputed
             if i in saved_in:
                 continue  # held from forward to its last use, as in the plain step
             if a <= s:
                 end = ph(uf) if uf <= s else rec_end
             else:  # never consumed by the recomputation: held until the region's backward is over
-                end = int(new[t1]) + 1
-            free = end if free_old is None else max(end, free_old)
-            touched[i] = _moved(e, int(new[a]), free)
+                end = keep_until
+            touched[i] = _moved(e, lay, free=end if free_old is None else max(end, free_old))
             continue
         if i in saved_in:
-            if _mixed(cs.info, i, path):  # also saved outside: held until the recomputation (upper bound)
+            if _mixed(cs.info, i, inside):  # also saved outside: held until the recomputation (upper bound)
                 fwd_free = lay.start[j]
             else:
-                fwd_free = int(new[max(a + 1, min(uf, f1 + 1))])
-            touched[i] = _moved(e, int(new[a]), fwd_free, category=Category.WORKSPACE, role="forward_temporary")
-            extra.append(
-                _moved(e, ph(a), free_old, name=f"{e.name}@recompute", role="recomputed", category=Category.ACTIVATIONS)
-            )
-        elif a <= s:  # recomputed but not saved: a temporary of the recomputation
-            end = ph(uf) if uf <= s else rec_end
+                fwd_free = _end(lay, max(a + 1, min(uf, f1 + 1)))
+            touched[i] = _moved(e, lay, free=fwd_free, category=Category.WORKSPACE, role="forward_temporary")
             extra.append(
                 _moved(
                     e,
+                    lay,
+                    ph(a),
+                    free_old,
+                    name=f"{e.name}@recompute",
+                    role="recomputed",
+                    category=Category.ACTIVATIONS,
+                )
+            )
+        elif a <= s:  # recomputed but not saved: a temporary of the recomputation
+            end = ph(uf) if uf <= s else rec_end
+            if e.free_event == a + 1:  # lived one op (a kernel's own buffer, a dropped output): again so
+                end = ph(a) + 1
+            extra.append(
+                _moved(
+                    e,
+                    lay,
                     ph(a),
                     max(end, ph(a) + 1),
                     name=f"{e.name}@recompute",
                     role="recompute_temporary",
                     category=Category.WORKSPACE,
-                    last_use_event=None,
                 )
             )
-    keep_until = int(new[t1]) + 1
-    for i in cs.inputs.get(path, ()):  # the region's inputs are kept by the checkpoint until its backward ends
+    for i in cs.inputs.get(c.call, ()):  # the region's inputs are kept by the checkpoint until its backward ends
         if i in touched:
             continue
         e = plain.entries[i]
-        free_old = int(new[e.free_event]) if e.free_event is not None else None
+        free_old = _end(lay, e.free_event)
         if free_old is not None and free_old < keep_until:
-            touched[i] = _moved(e, int(new[e.alloc_event]) if e.alloc_event is not None else None, keep_until)
+            touched[i] = _moved(e, lay, free=keep_until)
+    # state the call writes in place: copied before the call, the copy recomputed on, dropped with the backward
+    by_name = {e.name: e for e in plain.entries}
+    for name in c.region.restore:
+        e = by_name[name]
+        extra.append(
+            replace(
+                e,
+                name=f"{name}@before:{c.name}",
+                category=Category.WORKSPACE,
+                role="state_copy",
+                alloc_event=int(new[f0]),
+                free_event=keep_until,
+                last_use_event=None,
+            )
+        )
 
 
 # --- the linear model ------------------------------------------------------------------------------------
@@ -462,7 +605,7 @@ def linear_model(cs: Candidates, *, cost: CostKind = "seconds") -> LinearModel:
         for i, moved in touched.items():
             old = cs.plain.entries[i]
             a = 0 if old.alloc_event is None else int(lay.new[old.alloc_event])
-            b = num_points if old.free_event is None else int(lay.new[old.free_event])
+            b = num_points if old.free_event is None else _end(lay, old.free_event)
             diff[a] -= old.nbytes
             diff[b] += old.nbytes
             a, b = interval(moved)
@@ -535,6 +678,8 @@ def iter_candidate_rows(cs: Candidates, model: LinearModel | None = None) -> Ite
         row = {
             "path": c.region.path,
             "policy": c.region.policy,
+            "call": c.region.call,
+            "label": c.region.label,
             "saved_bytes": c.saved_bytes,
             "recompute_flops": c.flops,
             "recompute_seconds": c.seconds,

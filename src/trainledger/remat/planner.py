@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainledger.errors import InputError
-from trainledger.ledger import Ledger
+from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan, structure_fingerprint
 from trainledger.remat._record import ForwardRecord, record_forward
 from trainledger.remat.candidates import (
@@ -181,18 +181,8 @@ class Planner:
         return self.to_plan(sol, budget_bytes=budget_bytes)
 
     def block_candidates(self) -> list[int]:
-        """The full-policy candidate of each block of the repeated container (what uniform checkpointing wraps)."""
-        cs = self.candidates
-        tops = set(cs.positions)
-        parents: dict[str, list[int]] = {}
-        for j, c in enumerate(cs.candidates):
-            if c.region.policy == "full" and c.region.path in tops:
-                parent = c.region.path.rpartition(".")[0]
-                parents.setdefault(parent, []).append(j)
-        repeated = [js for parent, js in parents.items() if len(js) >= 2 and parent]
-        if not repeated:
-            return [j for js in parents.values() for j in js]
-        return [j for js in repeated for j in js]
+        """The full-policy candidate of each block of the repeated stacks (what uniform checkpointing wraps)."""
+        return list(self.candidates.blocks)
 
 
 def _state_floor(plain: Ledger) -> int:
@@ -256,20 +246,47 @@ class PlanResult:
 
     plan: Plan
     candidates: tuple[dict[str, Any], ...]
-    state_floor_bytes: int
+    state_floor_bytes: int | None
+    """Persistent state and the largest op alone (``None``: not saved, as in a ``plan --save`` file)."""
     verification: Any = None
     """A :class:`~trainledger.remat._verify.Verification`, or ``None`` without ``--verify``."""
+    predicted: LedgerSummary | None = None
+    """The figures of the plain step with the plan replayed on it (``plan.predicted.summary()``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = self.plan.to_dict()
+        out = {**(self.predicted.to_dict() if self.predicted is not None else {}), **self.plan.to_dict()}
         out["state_floor_bytes"] = self.state_floor_bytes
         out["candidates"] = list(self.candidates)
         if self.verification is not None:
-            traced = self.verification.traced.to_dict(entries=False)
-            for key in ("evidence", "device", "peak", "category_maxima", "sum_of_category_maxima"):
-                out[key] = traced[key]  # the top level is the re-traced step; the prediction is beside it
+            if self.predicted is not None:
+                out["predicted"] = self.predicted.to_dict()
+            out.update({k: v for k, v in self.verification.traced.to_dict().items() if k in _TOP_LEVEL})
             out["verification"] = self.verification.to_dict()
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlanResult:
+        """Read ``to_dict()`` or a saved plan (``Plan.save``) back (``trainledger report``).
+
+        With a verification the top level is the re-traced step and the prediction is under ``predicted``.
+        """
+        predicted = data.get("predicted", data)
+        verification = None
+        if "verification" in data:
+            from trainledger.remat._verify import Verification
+
+            verification = Verification.from_dict(data["verification"], traced=LedgerSummary.from_dict(data))
+        return cls(
+            plan=Plan.from_dict(data),
+            candidates=tuple(data.get("candidates", ())),
+            state_floor_bytes=data.get("state_floor_bytes"),
+            verification=verification,
+            predicted=LedgerSummary.from_dict(predicted) if "peak" in predicted else None,
+        )
+
+
+# The top-level keys a verified plan's JSON takes from the re-traced step (the prediction is beside it).
+_TOP_LEVEL = ("evidence", "device", "peak", "category_maxima", "sum_of_category_maxima")
 
 
 def plan_and_verify(
@@ -293,4 +310,5 @@ def plan_and_verify(
         planner.restore()  # re-trace from the state the plain step was traced from
         verification = run_verify(workload, p)
     rows = tuple(iter_candidate_rows(planner.candidates, planner.model))
-    return PlanResult(p, rows, planner.state_floor_bytes, verification)
+    predicted = p.predicted.summary() if p.predicted is not None else None
+    return PlanResult(p, rows, planner.state_floor_bytes, verification, predicted)

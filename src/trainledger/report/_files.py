@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from trainledger.errors import InputError
-from trainledger.ledger import Entry, Evidence, Ledger
+from trainledger.ledger import Entry, Evidence, Ledger, LedgerSummary
 
 PLOT_SUFFIXES = (".png", ".svg")
 MEMORY_VIZ_SUFFIXES = (".pickle", ".pkl")
 PERFETTO_SUFFIXES = (".json",)
 LEDGER_JSON_SUFFIXES = (".json",)
+HTML_SUFFIXES = (".html", ".htm")
 
 
 # --- output paths --------------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def _numbers(values: Any, n: int, key: str) -> list[float]:
     return list(values)
 
 
-def peak_label(ledger: Ledger, size: str) -> str:
+def peak_label(ledger: Ledger | LedgerSummary, size: str) -> str:
     """What the marked instant is called: a peak only with traced or measured evidence (the design's rule).
 
     Example:
@@ -123,15 +124,16 @@ def peak_label(ledger: Ledger, size: str) -> str:
         >>> peak_label(Ledger((Entry("w", Category.WEIGHTS, "param", "float32", 1, 4),)), "4 B")
         'total 4 B (inventoried state; not a peak: activations and workspace need a trace)'
     """
-    pk = ledger.peak()
+    summary = ledger.summary() if isinstance(ledger, Ledger) else ledger
+    pk = summary.peak
     where = f" at {pk.op}" if pk.op else ""
     if pk.module:
         where += f" in {pk.module}"
-    if ledger.evidence in (Evidence.TRACED, Evidence.MEASURED):
+    if summary.evidence in (Evidence.TRACED, Evidence.MEASURED):
         return f"peak {size}{where} ({pk.phase})"
-    if ledger.evidence == Evidence.ANALYTIC:
+    if summary.evidence == Evidence.ANALYTIC:
         return f"estimated peak {size}{where} ({pk.phase}; analytic)"
-    return f"total {size} ({ledger.evidence} state; not a peak: activations and workspace need a trace)"
+    return f"total {size} ({summary.evidence} state; not a peak: activations and workspace need a trace)"
 
 
 def entry_interval(entry: Entry, num_events: int) -> tuple[int, int]:

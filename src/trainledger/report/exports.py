@@ -9,6 +9,7 @@
   https://ui.perfetto.dev and ``chrome://tracing`` open: the step's ops as nested slices
   (phase › module path › op), live bytes per category as counter tracks, and the peak as an instant.
 * :func:`write_ledger_json` — the ledger itself (``Ledger.to_dict()``), every entry with its interval.
+* ``html`` (:mod:`trainledger.report.html`) — a self-contained page: timeline, live arrays, sortable tables.
 
 These are pure consumers of a :class:`~trainledger.ledger.Ledger` of any evidence; they import no torch.
 
@@ -39,6 +40,7 @@ from typing import Literal
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.report._files import (
+    HTML_SUFFIXES,
     LEDGER_JSON_SUFFIXES,
     MEMORY_VIZ_SUFFIXES,
     PERFETTO_SUFFIXES,
@@ -54,6 +56,7 @@ from trainledger.report.perfetto import to_perfetto, write_perfetto
 __all__ = [
     "ALIGN_BYTES",
     "BASE_ADDRESS",
+    "HTML_SUFFIXES",
     "LEDGER_JSON_SUFFIXES",
     "MEMORY_VIZ_SUFFIXES",
     "PERFETTO_SUFFIXES",
@@ -89,19 +92,21 @@ def write_ledger_json(
 
 # --- several at once, checked before the step runs -------------------------------------------------------
 
-ExportKind = Literal["plot", "memory_viz", "perfetto", "ledger_json"]
-EXPORT_KINDS: tuple[ExportKind, ...] = ("plot", "memory_viz", "perfetto", "ledger_json")
+ExportKind = Literal["plot", "memory_viz", "perfetto", "ledger_json", "html"]
+EXPORT_KINDS: tuple[ExportKind, ...] = ("plot", "memory_viz", "perfetto", "ledger_json", "html")
 _WHAT = {
     "plot": "plot",
     "memory_viz": "memory_viz snapshot",
     "perfetto": "Perfetto trace",
     "ledger_json": "ledger JSON",
+    "html": "HTML report",
 }
 _SUFFIXES = {
     "plot": PLOT_SUFFIXES,
     "memory_viz": MEMORY_VIZ_SUFFIXES,
     "perfetto": PERFETTO_SUFFIXES,
     "ledger_json": LEDGER_JSON_SUFFIXES,
+    "html": HTML_SUFFIXES,
 }
 
 
@@ -117,6 +122,8 @@ class ExportPaths:
     """Chrome trace-event JSON (:func:`write_perfetto`)."""
     ledger_json: Path | None = None
     """The ledger itself (:func:`write_ledger_json`)."""
+    html: Path | None = None
+    """A self-contained HTML page (:func:`trainledger.report.html.write_html`)."""
     protect: tuple[Path, ...] = ()
     """The user's input files, never written over."""
 
@@ -130,6 +137,7 @@ def check_export_paths(
     memory_viz: str | os.PathLike[str] | None = None,
     perfetto: str | os.PathLike[str] | None = None,
     ledger_json: str | os.PathLike[str] | None = None,
+    html: str | os.PathLike[str] | None = None,
     protect: Iterable[str | os.PathLike[str]] = (),
 ) -> ExportPaths:
     """Check every requested output path before any work is done (a command calls this before tracing).
@@ -145,7 +153,7 @@ def check_export_paths(
         trainledger.errors.InputError: ledger JSON path 'step.json' is also the Perfetto trace path; ...
     """
     protected = tuple(Path(p) for p in protect)
-    given = {"plot": plot, "memory_viz": memory_viz, "perfetto": perfetto, "ledger_json": ledger_json}
+    given = {"plot": plot, "memory_viz": memory_viz, "perfetto": perfetto, "ledger_json": ledger_json, "html": html}
     checked: dict[str, Path] = {}
     for kind, path in given.items():
         if path is None:
@@ -172,6 +180,7 @@ def write_exports(ledger: Ledger, paths: ExportPaths) -> dict[str, str]:
         >>> write_exports(Ledger(()), check_export_paths())
         {}
     """
+    from trainledger.report.html import write_html
     from trainledger.report.plot import plot_timeline
 
     writers: dict[str, Callable[..., Path]] = {
@@ -179,5 +188,6 @@ def write_exports(ledger: Ledger, paths: ExportPaths) -> dict[str, str]:
         "memory_viz": write_memory_viz,
         "perfetto": write_perfetto,
         "ledger_json": write_ledger_json,
+        "html": write_html,
     }
     return {kind: str(writers[kind](ledger, path, protect=paths.protect)) for kind, path in paths.requested().items()}

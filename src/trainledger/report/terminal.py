@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.ledger import CATEGORY_ORDER, Ledger, Payload, Peak
+from trainledger.ledger import CATEGORY_ORDER, Entry, EntryGroup, Ledger, LedgerSummary, Payload, Peak
 from trainledger.units import format_bytes, short_dtype
 
 UNITS_NOTE = "GB = 10^9 bytes, GiB = 2^30 bytes"
@@ -21,38 +21,32 @@ def both_units(nbytes: int) -> str:
     return f"{format_bytes(nbytes, binary=False)} / {format_bytes(nbytes)}"
 
 
-def category_table(ledger: Ledger, *, title: str = "") -> Table:
-    """Rows grouped by category, role and dtype, with element counts, bytes and evidence; totals below."""
+def category_table(source: Ledger | Sequence[EntryGroup], *, title: str = "") -> Table:
+    """Rows grouped by category, role and dtype, with element counts, bytes and evidence; totals below.
+
+    ``source`` is a ledger or its ``groups()`` (as saved JSON holds them).
+    """
+    groups = source.groups() if isinstance(source, Ledger) else tuple(source)
+    total = sum(g.nbytes for g in groups)
     table = Table(title=title or None, title_justify="left", show_footer=True)
     table.add_column("category", footer="total")
     table.add_column("role")
     table.add_column("dtype")
     table.add_column("arrays", justify="right")
     table.add_column("elements", justify="right")
-    table.add_column("bytes", justify="right", footer=f"{sum(e.nbytes for e in ledger.entries):,}")
-    table.add_column("size", justify="right", footer=both_units(sum(e.nbytes for e in ledger.entries)))
+    table.add_column("bytes", justify="right", footer=f"{total:,}")
+    table.add_column("size", justify="right", footer=both_units(total))
     table.add_column("evidence")
-    groups: dict[tuple[str, str, str], list[int]] = {}
-    evid: dict[tuple[str, str, str], set[str]] = {}
-    for e in ledger.entries:
-        key = (str(e.category), e.role, e.dtype)
-        g = groups.setdefault(key, [0, 0, 0])
-        g[0] += 1
-        g[1] += e.numel
-        g[2] += e.nbytes
-        evid.setdefault(key, set()).add(str(e.evidence))
-    order = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
-    for key in sorted(groups, key=lambda k: (order[k[0]], k[1], k[2])):
-        count, numel, nbytes = groups[key]
+    for g in groups:
         table.add_row(
-            key[0],
-            key[1],
-            short_dtype(key[2]),
-            str(count),
-            f"{numel:,}",
-            f"{nbytes:,}",
-            both_units(nbytes),
-            ", ".join(sorted(evid[key])),
+            g.category,
+            g.role,
+            short_dtype(g.dtype),
+            str(g.num_arrays),
+            f"{g.numel:,}",
+            f"{g.nbytes:,}",
+            both_units(g.nbytes),
+            ", ".join(g.evidence),
         )
     return table
 
@@ -123,10 +117,10 @@ def print_renderables(*items: object, console: Console | None = None) -> None:
     (console or make_console()).print(Group(*items))  # type: ignore[arg-type]
 
 
-def peak_table(ledger: Ledger) -> Table:
+def peak_table(summary: LedgerSummary) -> Table:
     """The breakdown at the peak instant beside each category's own maximum (which need not coincide)."""
-    pk = ledger.peak()
-    maxima = ledger.category_maxima()
+    pk = summary.peak
+    maxima = summary.category_maxima
     table = Table(title="at the peak instant vs each category's own maximum", title_justify="left", show_footer=True)
     table.add_column("category", footer="total")
     table.add_column("at peak (bytes)", justify="right", footer=f"{pk.bytes:,}")
@@ -140,16 +134,19 @@ def peak_table(ledger: Ledger) -> Table:
     return table
 
 
-def largest_live_table(ledger: Ledger, *, limit: int = 10) -> Table:
-    """The largest arrays live at the peak instant, with where they came from."""
-    pk = ledger.peak()
-    live = sorted(ledger.live_at(pk.event), key=lambda e: -e.nbytes)[:limit]
-    table = Table(title=f"largest arrays live at the peak (event {pk.event})", title_justify="left")
+def lifetime_text(entry: Entry) -> str:
+    """``12–40`` on the event clock; ``before``/``after``: it existed before the step or outlives it."""
+    start = "before" if entry.alloc_event is None else str(entry.alloc_event)
+    stop = "after" if entry.free_event is None else str(entry.free_event)
+    return f"{start}–{stop}"
+
+
+def largest_live_table(entries: Iterable[Entry], event: int) -> Table:
+    """The largest arrays live at the peak instant (``Ledger.largest_live``), with where they came from."""
+    table = Table(title=f"largest arrays live at the peak (event {event})", title_justify="left")
     for col in ("bytes", "category", "role", "dtype", "shape", "name", "module", "lifetime"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
-    for e in live:
-        start = "before" if e.alloc_event is None else str(e.alloc_event)
-        stop = "after" if e.free_event is None else str(e.free_event)
+    for e in entries:
         table.add_row(
             f"{e.nbytes:,}",
             str(e.category),
@@ -158,6 +155,6 @@ def largest_live_table(ledger: Ledger, *, limit: int = 10) -> Table:
             "×".join(map(str, e.shape)) or "()",
             e.name,
             e.owner,
-            f"{start}–{stop}",
+            lifetime_text(e),
         )
     return table

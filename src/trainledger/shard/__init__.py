@@ -4,6 +4,7 @@ The transform (:func:`shard`) and the communication model are pure arithmetic on
 (:mod:`trainledger.shard.launch`) runs the step on ``torch.distributed`` and is imported on demand.
 """
 
+from trainledger.shard._summary import RankSummary, ShardReport, ShardSummary
 from trainledger.shard.comm import Collective, CommTime, estimate_time, wire_bytes
 from trainledger.shard.transform import (
     STRATEGIES,
@@ -21,8 +22,11 @@ __all__ = [
     "STRATEGIES",
     "Collective",
     "CommTime",
+    "RankSummary",
     "ShardConfig",
+    "ShardReport",
     "ShardResult",
+    "ShardSummary",
     "Strategy",
     "estimate_time",
     "greedy_owners",

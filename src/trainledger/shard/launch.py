@@ -154,6 +154,7 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         first = self.ranks[0].ledger
         out = (first if first is not None else self.prediction.ranks[0]).to_dict(entries=False)
+        out["result"] = "shard-run"
         out["run"] = {
             "model": self.config.model,
             "world_size": self.config.world_size,
@@ -179,6 +180,7 @@ class RunResult:
             for r in self.ranks
         ]
         out["notes"] = [*out["notes"], *self.notes]
+        out["run_notes"] = list(self.notes)
         return out
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
@@ -47,7 +47,10 @@ from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
 from trainledger.shard._optimizer import optimizer_workspace, resequence_optimizer
 from trainledger.shard._partition import greedy_owners, resized, shard_rows
 from trainledger.shard._units import in_model, infer_units, unit_of
-from trainledger.shard.comm import Collective, payload_by_kind, wire_by_kind
+from trainledger.shard.comm import Collective
+
+if TYPE_CHECKING:
+    from trainledger.shard._summary import ShardSummary
 from trainledger.units import dtype_bytes
 
 Strategy = Literal["zero0", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "hybrid_shard"]
@@ -210,43 +213,15 @@ class ShardResult:
             if e.category in _MODEL_STATE and e.role != "gathered" and e.alloc_event is None
         )
 
+    def summary(self) -> ShardSummary:
+        """What the reports print of this result: rank 0's tables, every rank's peak, the collectives."""
+        from trainledger.shard._summary import ShardSummary
+
+        return ShardSummary.of(self)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON form: rank 0's ledger keys at the top, every rank's summary under ``ranks``."""
-        out = self.ranks[0].to_dict(entries=False)
-        out["shard"] = {
-            "strategy": self.config.strategy,
-            "engine": self.config.engine,
-            "label": self.label,
-            "world_size": self.config.world_size,
-            "num_nodes": self.config.num_nodes,
-            "units": list(self.units),
-        }
-        out["ranks"] = [
-            {
-                "rank": r,
-                "predicted_peak_bytes": led.peak().bytes,
-                "model_state_bytes": self.model_state_bytes(r),
-                "peak": led.to_dict(entries=False)["peak"],
-                "by_category": {k[0]: v for k, v in led.bytes_by("category").items()},
-            }
-            for r, led in enumerate(self.ranks)
-        ]
-        out["collectives"] = [
-            {
-                "kind": c.kind,
-                "phase": c.phase,
-                "label": c.label,
-                "payload_bytes": c.payload_bytes,
-                "wire_bytes": c.wire_bytes,
-                "group_size": c.group_size,
-                "num_calls": c.num_calls,
-            }
-            for c in self.collectives
-        ]
-        out["collective_payload_bytes"] = payload_by_kind(self.collectives)
-        out["collective_wire_bytes"] = wire_by_kind(self.collectives)
-        out["notes"] = [*out["notes"], *self.notes]
-        return out
+        return self.summary().to_dict()
 
 
 _MODEL_STATE = (Category.WEIGHTS, Category.FROZEN, Category.GRADIENTS, Category.OPTIMIZER)

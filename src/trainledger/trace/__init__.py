@@ -20,11 +20,22 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
+from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
+from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
+from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, run_step
 
-__all__ = ["trace"]
+__all__ = [
+    "KERNEL_INTERNAL",
+    "PROBED_OPS",
+    "KernelCall",
+    "MeasuredStep",
+    "TraceReport",
+    "kernel_internal_bytes",
+    "trace",
+]
 
 LIMITATIONS = (
     "traced bytes are tensor storages as the allocator is asked for them; excluded: memory kernels "
@@ -33,7 +44,39 @@ LIMITATIONS = (
 )
 
 
-def trace(workload: Workload, *, fake: bool = False, progress: ProgressFn | None = None) -> Ledger:
+def _kernel_note(num_measured: int, num_skipped: int) -> str:
+    if num_measured:
+        inside = (
+            f", plus {num_measured} buffers that CPU kernels allocate and free inside one op (workspace, role "
+            "kernel_internal, evidence measured: each kernel run alone on this machine)"
+        )
+    else:
+        inside = (
+            " (none of this step's kernels is one known to allocate inside an op: convolution, BatchNorm, "
+            "LayerNorm's backward, the LSTM)"
+        )
+    skipped = (
+        f"; {num_skipped} kernel calls that could not be run here (too large, or inputs fake tensors cannot "
+        "size) are not included"
+        if num_skipped
+        else ""
+    )
+    return (
+        f"traced bytes are tensor storages as the allocator is asked for them{inside}{skipped}; excluded: "
+        "allocator rounding, caching and fragmentation, Python and autograd graph objects"
+    )
+
+
+def _resized_note(num: int) -> str:
+    return (
+        f"fake tensors: {num} outputs of ops whose CPU kernel returns a storage of another size than its meta "
+        "kernel declares (mse_loss's result, the LSTM's workspace) are sized by running the kernel on zeros"
+    )
+
+
+def trace(
+    workload: Workload, *, fake: bool = False, kernel_workspace: bool = True, progress: ProgressFn | None = None
+) -> Ledger:
     """Trace one steady-state training step of ``workload`` (evidence ``traced``).
 
     A warm-up step runs first, so lazily created optimizer state exists; then one step is traced:
@@ -47,6 +90,10 @@ def trace(workload: Workload, *, fake: bool = False, progress: ProgressFn | None
         workload: the step's ingredients.
         fake: run under ``FakeTensorMode``: same ops and shapes, nothing allocated. The model's
             parameters are swapped for fake ones during the trace and restored afterwards.
+        kernel_workspace: also measure the buffers that CPU kernels (convolutions, BatchNorm's and
+            LayerNorm's backward, the LSTM) allocate and free inside one op, by running each distinct
+            call once more alone, and add them as workspace entries at that op's event (evidence
+            ``measured``). Without it the ledger holds tensor storages only.
         progress: called as ``progress(phase, num_events)`` every thousand events.
 
     Returns:
@@ -55,7 +102,7 @@ def trace(workload: Workload, *, fake: bool = False, progress: ProgressFn | None
     if fake:
         with fake_workload(workload) as (twin, mode), mode:
             try:
-                ledger = _trace(twin, progress)
+                ledger, kernels = _trace(twin, progress, fake=True)
             except InputError as exc:
                 if "DynamicOutputShape" in str(exc) or "DataDependentOutput" in str(exc):
                     raise InputError(
@@ -63,11 +110,21 @@ def trace(workload: Workload, *, fake: bool = False, progress: ProgressFn | None
                         "trace it without --fake"
                     ) from exc
                 raise
-        return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True})
-    return _trace(workload, progress)
+        ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True})
+    else:
+        ledger, kernels = _trace(workload, progress)
+    return _with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
 
 
-def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
+def _with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
+    entries, skipped = kernel_entries(kernels)
+    notes = tuple(_kernel_note(len(entries), skipped) if n == LIMITATIONS else n for n in ledger.notes)
+    return ledger.with_entries((*ledger.entries, *entries), notes=notes)
+
+
+def _trace(
+    workload: Workload, progress: ProgressFn | None, *, fake: bool = False
+) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
     model, reference = workload.model, workload.reference
     optimizer = workload.get_optimizer()
     with _user_errors("the warm-up step"):
@@ -75,7 +132,7 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots)
-    tracer = StepTracer(scopes, progress=progress)
+    tracer = StepTracer(scopes, fake=fake, progress=progress)
     for t, owner in iter_state(model, optimizer, reference=reference):
         tracer.known(t, owner.name, owner.category, owner.role)
     for i, t in enumerate(iter_tensors(workload.batch)):
@@ -101,26 +158,30 @@ def _trace(workload: Workload, progress: ProgressFn | None) -> Ledger:
     finally:
         scopes.close()
         tracer.stop()
-    if not tracer.events:
+    if not tracer.num_events:
         raise InputError("the step dispatched no tensor operations; nothing to trace")
 
+    resized = tracer.size_outputs_as_the_real_kernels() if fake else 0
     entries = tracer.entries()
     devices = Counter(e.device for e in entries if e.category in (Category.WEIGHTS, Category.ACTIVATIONS))
-    return Ledger(
+    events = tracer.events()
+    ledger = Ledger(
         tuple(entries),
-        tuple(tracer.events),
+        tuple(events),
         evidence=Evidence.TRACED,
         device=devices.most_common(1)[0][0] if devices else "cpu",
-        notes=(LIMITATIONS, *_elsewhere_note(tracer.frees_elsewhere)),
+        notes=(LIMITATIONS, *_elsewhere_note(tracer.frees_elsewhere)) + ((_resized_note(resized),) if resized else ()),
+        calls=tracer.module_calls(),
         meta={
             "model": workload.name,
-            "events_per_phase": dict(Counter(ev.phase for ev in tracer.events)),
+            "events_per_phase": dict(Counter(ev.phase for ev in events)),
             "traced_step_seconds": seconds,
             "optimizer": type(optimizer).__name__,
             "parameter_order": [name for name, _ in model.named_parameters()],
             **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
         },
     )
+    return ledger, tracer.kernel_calls
 
 
 def _elsewhere_note(names: list[str]) -> tuple[str, ...]:

@@ -1,41 +1,79 @@
-"""Which module an op belongs to, in forward and in backward.
+"""Which module an op belongs to, in forward and in backward, and every call of every module.
 
-Forward: global module pre/post hooks keep a stack of module paths. Backward: every autograd node a
-module's forward created is labelled with that module's path (in ``node.metadata``) by walking back from
-the module's outputs once it returns; inner modules return first, so each node keeps its innermost
-module. During backward the tracer asks autograd for the node being executed
+Forward: global module pre/post hooks keep a stack of module paths and record each call (its path, which
+call of that module it is, the call it ran inside, its first and last event). Backward: every autograd
+node a module call created is labelled with that module's path and that call (in ``node.metadata``) by
+walking back from the call's outputs once it returns; inner modules return first, so each node keeps its
+innermost module. During backward the tracer asks autograd for the node being executed
 (``torch._C._current_autograd_node()``) and reads the label: "which module's gradient is being
-computed". ``AccumulateGrad`` nodes are attributed to the module owning the parameter.
+computed, for which call". ``AccumulateGrad`` nodes are attributed to the module owning the parameter.
+
+A module called while backward runs is a recomputation (activation checkpointing), not a call of the
+step: it is attributed as usual but not recorded as a call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from trainledger.ledger import ROOT_SCOPE
+from trainledger.ledger import ROOT_SCOPE, ModuleCall
 from trainledger.workload import iter_tensors
 
 LABEL = "trainledger.module"
+CALL_LABEL = "trainledger.call"
+ROOT = ROOT_SCOPE
+NO_CALL = -1
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a node on this thread (a checkpoint's recomputation runs so)."""
+    return torch._C._current_autograd_node() is not None
+
+
+@dataclass(slots=True)
+class _Call:
+    path: str
+    index: int
+    parent: int | None
+    start: int
+    grad: bool
+    stop: int = -1
+    backward: list[int] = field(default_factory=list)  # first and last backward event, once seen
+    writes: dict[str, None] = field(default_factory=dict)  # ordered set of names
 
 
 class ModuleScopes:
-    """Tracks the current module path; install with ``open()``, always ``close()`` (idempotent)."""
+    """Tracks the current module path and call; install with ``open()``, always ``close()`` (idempotent).
 
-    def __init__(self, roots: Iterable[tuple[str, nn.Module]]) -> None:
+    Arguments:
+        roots: ``(prefix, module)`` pairs; the first is the model, whose every call starts a new count
+            of calls for every module (so call numbers restart with each forward of the model).
+        clock: the number of events so far (a call starts at ``clock()`` and stops at ``clock()``).
+    """
+
+    def __init__(self, roots: Iterable[tuple[str, nn.Module]], *, clock: Callable[[], int] = lambda: 0) -> None:
         self.names: dict[int, str] = {}
         self.param_owner: dict[int, str] = {}
+        self._root_id: int | None = None
         for prefix, root in roots:
+            if self._root_id is None:
+                self._root_id = id(root)
             for name, mod in root.named_modules(remove_duplicate=False):
-                path = ".".join(p for p in (prefix, name) if p) or prefix or ROOT_SCOPE
+                path = ".".join(p for p in (prefix, name) if p) or prefix or ROOT
                 self.names.setdefault(id(mod), path)
                 for _name, p in mod.named_parameters(recurse=False):
                     self.param_owner.setdefault(id(p), path)
         self.stack: list[str] = []
+        self.calls: list[_Call] = []
+        self._call_stack: list[int] = []
+        self._counts: dict[str, int] = {}
+        self.clock = clock
         self._boundaries: list[set[int]] = []
         self._handles: list[RemovableHandle] = []
 
@@ -50,41 +88,108 @@ class ModuleScopes:
             h.remove()
         self._handles = []
         self.stack.clear()
+        self._call_stack.clear()
         self._boundaries.clear()
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
-        if name is not None:
-            self.stack.append(name)
-            # the graph that existed before this forward: its inputs' nodes bound the walk in _post
-            self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
+        if name is None:
+            return
+        self.stack.append(name)
+        # the graph that existed before this forward: its inputs' nodes bound the walk in _post
+        self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
+        if in_backward():
+            self._call_stack.append(NO_CALL)
+            return
+        if id(module) == self._root_id:
+            self._counts.clear()
+        index = self._counts.get(name, 0)
+        self._counts[name] = index + 1
+        parent = self._call_stack[-1] if self._call_stack and self._call_stack[-1] != NO_CALL else None
+        self._call_stack.append(len(self.calls))
+        self.calls.append(_Call(name, index, parent, self.clock(), torch.is_grad_enabled()))
 
     def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
         name = self.names.get(id(module))
         if name is None or not self.stack or self.stack[-1] != name:
             return
         self.stack.pop()
-        label_graph(output, name, stop=self._boundaries.pop())
+        call = self._call_stack.pop()
+        if call != NO_CALL:
+            self.calls[call].stop = self.clock()
+        label_graph(output, name, call, stop=self._boundaries.pop())
 
     @property
     def current(self) -> str:
         return self.stack[-1] if self.stack else ""
 
-    def backward_scope(self) -> str:
+    @property
+    def current_call(self) -> int:
+        """The call running now (``NO_CALL`` outside every module, or in a recomputation)."""
+        return self._call_stack[-1] if self._call_stack else NO_CALL
+
+    def backward_scope(self) -> tuple[str, int]:
+        """The module path and call whose autograd node is running (``("", NO_CALL)`` when none is)."""
         node = torch._C._current_autograd_node()
         if node is None:
-            return ""
-        label = node.metadata.get(LABEL)
+            return "", NO_CALL
+        meta = node.metadata
+        label = meta.get(LABEL)
         if label is not None:
-            return label
+            return label, meta.get(CALL_LABEL, NO_CALL)
         variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter it accumulates into
         if variable is not None:
-            return self.param_owner.get(id(variable), "")
-        return ""
+            return self.param_owner.get(id(variable), ""), NO_CALL
+        return "", NO_CALL
+
+    # --- after the step ------------------------------------------------------------------------------
+
+    def module_calls(
+        self, event_calls: Sequence[int], phases: Sequence[str], writes: Iterable[tuple[int, int | None, str]]
+    ) -> tuple[ModuleCall, ...]:
+        """The calls as ledger records.
+
+        Arguments:
+            event_calls: per event, the call it ran in (``NO_CALL``: none).
+            phases: per event, its phase.
+            writes: ``(event, alloc_event, name)`` of every in-place write in forward to a storage allocated
+                at ``alloc_event`` (``None``: before the step).
+        """
+        calls = self.calls
+        for e, (c, phase) in enumerate(zip(event_calls, phases, strict=True)):
+            if phase != "backward":
+                continue
+            while c != NO_CALL and c is not None:
+                span = calls[c].backward
+                if span:
+                    span[1] = e
+                else:
+                    span.extend((e, e))
+                c = calls[c].parent
+        for e, alloc, name in writes:
+            c = event_calls[e]
+            while c != NO_CALL and c is not None:
+                if alloc is None or alloc < calls[c].start:
+                    calls[c].writes[name] = None
+                c = calls[c].parent
+        return tuple(
+            ModuleCall(
+                path=c.path,
+                index=c.index,
+                parent=c.parent,
+                start=c.start,
+                stop=max(c.start, c.stop),
+                backward_start=c.backward[0] if c.backward else None,
+                backward_stop=c.backward[1] + 1 if c.backward else None,
+                grad=c.grad,
+                writes=tuple(c.writes),
+            )
+            for c in calls
+        )
 
 
-def label_graph(output: Any, name: str, *, stop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-    """Label the autograd nodes a module's forward created with the module's path.
+def label_graph(output: Any, name: str, call: int = NO_CALL, *, stop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """Label the autograd nodes a module's forward created with the module's path and call.
 
     Walks back from ``output``. Nodes already labelled by a submodule (their label starts with
     ``name + "."``) keep their label and are walked through; the walk stops at the module's input nodes
@@ -103,6 +208,7 @@ def label_graph(output: Any, name: str, *, stop: set[int] = frozenset()) -> None
         label = meta.get(LABEL)
         if label is None:
             meta[LABEL] = name
+            meta[CALL_LABEL] = call
         elif not label.startswith(prefix):
             continue
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not hasattr(nxt, "variable"))

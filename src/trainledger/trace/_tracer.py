@@ -15,7 +15,7 @@ Known limitations:
 
 from __future__ import annotations
 
-import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,7 +26,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger.inventory import dtype_name, storage_key
-from trainledger.ledger import Category, Entry, Event, Evidence
+from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
+from trainledger.trace._kernels import (
+    NEEDS_REAL_INPUTS,
+    PROBED_OPS,
+    REAL_STORAGE_OPS,
+    KernelCall,
+    real_output_bytes,
+)
 from trainledger.trace._scopes import ModuleScopes
 
 ProgressFn = Callable[[str, int], None]
@@ -69,14 +76,29 @@ class StepTracer(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
-    def __init__(self, scopes: ModuleScopes, *, progress: ProgressFn | None = None) -> None:
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo, a Python frame
+        # and two eval-frame switches per op; the tracer is never compiled, so the wrapper is pure cost.
+        return False
+
+    def __init__(self, scopes: ModuleScopes, *, fake: bool = False, progress: ProgressFn | None = None) -> None:
         super().__init__()
+        global _NO_STORAGE
+        _NO_STORAGE = _dtensor_types()
+        self.fake = fake
         self.scopes = scopes
+        scopes.clock = self._clock
         self.phase = "forward"
-        self.events: list[Event] = []
+        self.ops: list[tuple[str, str, str]] = []  # per event: phase, op, module (Events are made at the end)
+        self.event_calls: list[int] = []  # per event, the module call it ran in (NO_CALL: none)
+        self.writes: list[tuple[int, _Storage]] = []  # in-place writes in forward: (event, storage)
+        self.kernel_calls: list[tuple[int, str, str, KernelCall | None]] = []  # kernels holding buffers inside
+        self.resized: list[tuple[KernelCall, list[_Storage | None]]] = []  # fake outputs the real kernel sizes
         self.storages: dict[int, _Storage] = {}  # live storages by key
         self.finished: list[_Storage] = []  # storages freed during the step
         self._refs: dict[int, weakref.ref[Any]] = {}
+        self._by_ref: dict[int, tuple[int, _Storage]] = {}  # id(weak reference) -> (storage key, record)
         self._accumulations: list[_Accumulation] = []
         self._active = True
         self._progress = progress
@@ -84,6 +106,16 @@ class StepTracer(TorchDispatchMode):
         self.frees_elsewhere: list[str] = []
         """Storages whose last reference was dropped by another thread (a collective library's worker):
         their free event is when that thread let go, which can vary from run to run."""
+
+    def _clock(self) -> int:
+        return len(self.ops)
+
+    @property
+    def num_events(self) -> int:
+        return len(self.ops)
+
+    def events(self) -> list[Event]:
+        return [Event(i, phase, op, module) for i, (phase, op, module) in enumerate(self.ops)]
 
     # --- pre-existing state ------------------------------------------------------------------------
 
@@ -114,37 +146,39 @@ class StepTracer(TorchDispatchMode):
         owner: str,
     ) -> _Storage:
         st = t.untyped_storage()
+        dtype, device = t.dtype, t.device
         rec = _Storage(
-            name=name,
-            category=category,
-            role=role,
-            dtype=dtype_name(t.dtype),
-            nbytes=st.nbytes(),
-            device=str(t.device),
-            owner=owner,
-            shape=tuple(t.shape),
-            alloc_event=alloc_event,
-            phase=self.phase,
-            first_seen=len(self.events) - 1 if self.events else 0,
+            name,
+            category,
+            role,
+            _DTYPE_NAMES.get(dtype) or _dtype_name(dtype),
+            st.nbytes(),
+            _DEVICE_NAMES.get(device) or _device_name(device),
+            owner,
+            tuple(t.shape),
+            alloc_event,
+            self.phase,
+            len(self.ops) - 1 if self.ops else 0,
         )
         self.storages[key] = rec
-        self._refs[key] = weakref.ref(st, self._freed_callback(key, rec))
+        ref = weakref.ref(st, self._freed)
+        self._refs[key] = ref
+        self._by_ref[id(ref)] = (key, rec)
         return rec
 
-    def _freed_callback(self, key: int, rec: _Storage) -> Callable[[Any], None]:
-        def freed(_ref: Any) -> None:
-            if not self._active:
-                return
-            # live through the last event that ran; no longer live from the next one
-            rec.free_event = len(self.events)
-            if threading.get_ident() != self._thread:
-                self.frees_elsewhere.append(rec.name)
-            if self.storages.get(key) is rec:
-                del self.storages[key]
-                self._refs.pop(key, None)
-            self.finished.append(rec)
-
-        return freed
+    def _freed(self, ref: Any) -> None:
+        found = self._by_ref.pop(id(ref), None)
+        if found is None or not self._active:
+            return
+        key, rec = found
+        # live through the last event that ran; no longer live from the next one
+        rec.free_event = len(self.ops)
+        if threading.get_ident() != self._thread:
+            self.frees_elsewhere.append(rec.name)
+        if self.storages.get(key) is rec:
+            del self.storages[key]
+            self._refs.pop(key, None)
+        self.finished.append(rec)
 
     # --- storages that change size outside dispatch ------------------------------------------------------
 
@@ -155,67 +189,86 @@ class StepTracer(TorchDispatchMode):
         """
         key = storage_key(t)
         self.freed_outside_dispatch(t)  # the same storage grown again is a new allocation
-        self._track(t, key, name, category, role, alloc_event=len(self.events), owner=self.scopes.current)
+        self._track(t, key, name, category, role, alloc_event=len(self.ops), owner=self.scopes.current)
 
     def freed_outside_dispatch(self, t: torch.Tensor) -> None:
         """A storage shrunk to nothing by ``untyped_storage().resize_(0)``: freed after the last event."""
         key = storage_key(t)
         rec = self.storages.pop(key, None)
         if rec is not None:
-            rec.free_event = len(self.events)
-            self._refs.pop(key, None)
+            rec.free_event = len(self.ops)
+            ref = self._refs.pop(key, None)
+            if ref is not None:
+                self._by_ref.pop(id(ref), None)
             self.finished.append(rec)
 
     # --- the dispatch hook -------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in _NOT_OPS:
+        op = _OP_NAMES.get(func, _UNSEEN)
+        if op is _UNSEEN:
+            op = _op_name(func)
+        if op is None:  # not work on tensors: a metadata query, a profiler annotation
             return func(*args, **kwargs)
-        index = len(self.events)
-        op = _op_name(func)
-        if self.phase == "forward":
-            module = self.scopes.current
-        elif self.phase == "optimizer":  # the parameter this op updates, when it is one
-            module = self._updated_parameter(args, kwargs)
+        index = len(self.ops)
+        phase = self.phase
+        forward = phase == "forward"
+        if forward:
+            module, call = self.scopes.current, self.scopes.current_call
         else:
-            module = self.scopes.backward_scope()
-        self.events.append(Event(index, self.phase, op, module))
+            module, call = self.scopes.backward_scope()
+            if phase == "optimizer":  # the parameter this op updates, when it is one
+                module = self._updated_parameter(args, kwargs)
+        self.ops.append((phase, op, module))
+        self.event_calls.append(call)
+        if op in PROBED_OPS:
+            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
+            self.kernel_calls.append((index, op, module, kernel))
+        storages = self.storages
         for t in _tensors(args, kwargs):
-            if storage_key(t) not in self.storages and _has_storage(t):
-                # existed before the step without being declared: captured in a closure, RNG state…
-                self._track(
-                    t,
-                    storage_key(t),
-                    f"captured:{op}#{index}",
-                    Category.OTHER,
-                    "captured",
-                    alloc_event=None,
-                    owner=module,
-                )
+            if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
+                key = t.untyped_storage()._cdata
+                if key not in storages:
+                    # existed before the step without being declared: captured in a closure, RNG state…
+                    self._track(
+                        t, key, f"captured:{op}#{index}", Category.OTHER, "captured", alloc_event=None, owner=module
+                    )
+        if forward:
+            for t in _written(func, args, kwargs):
+                rec = storages.get(storage_key(t)) if _has_storage(t) else None
+                if rec is not None:
+                    self.writes.append((index, rec))
         out = func(*args, **kwargs)
         outputs = _tensors(out)
-        owners = self._output_owners(op, args, module, len(outputs))
-        for t, owner in zip(outputs, owners, strict=True):
-            # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's, new
-            # when the op made it (an FSDP rank's optimizer temporaries)
-            t = local_tensor(t)
-            if _has_storage(t):
-                key = storage_key(t)
-                if key not in self.storages:
+        owners = self._output_owners(op, args, module, len(outputs)) if phase == "optimizer" else None
+        for j, t in enumerate(outputs):
+            if isinstance(t, _NO_STORAGE):
+                # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
+                # new when the op made it (an FSDP rank's optimizer temporaries)
+                t = t._local_tensor  # type: ignore[attr-defined]
+            if t.layout is _STRIDED:
+                key = t.untyped_storage()._cdata
+                if key not in storages:
+                    owner = module if owners is None else owners[j]
                     self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=owner)
-        if self.phase == "backward" and func is _ADD and _same_meta(args, out):
+        if self.fake and op in REAL_STORAGE_OPS:
+            kernel = KernelCall.of(func, args, kwargs)
+            if kernel is not None:
+                outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
+                self.resized.append((kernel, outputs))
+        if func is _ADD and not forward and _same_meta(args, out):
             a, b = args[0], args[1]
             self._accumulations.append(
                 _Accumulation(
                     index,
-                    (self.storages.get(storage_key(a)), self.storages.get(storage_key(b))),
+                    (storages.get(storage_key(a)), storages.get(storage_key(b))),
                     (_dense(a), _dense(b)),
-                    self.storages.get(storage_key(out)),
+                    storages.get(storage_key(out)),
                 )
             )
         if self._progress is not None and index % 1000 == 0:
-            self._progress(self.phase, index)
+            self._progress(phase, index)
         return out
 
     # --- the optimizer step, parameter by parameter ---------------------------------------------------
@@ -254,7 +307,7 @@ class StepTracer(TorchDispatchMode):
         if _has_storage(t):
             rec = self.storages.get(storage_key(t))
             if rec is not None:
-                rec.last_use_event = len(self.events) - 1 if self.events else 0
+                rec.last_use_event = len(self.ops) - 1 if self.ops else 0
         return t
 
     # --- finishing ---------------------------------------------------------------------------------
@@ -269,6 +322,26 @@ class StepTracer(TorchDispatchMode):
         """Stop listening for frees; storages still alive outlive the step."""
         self._active = False
         self._refs.clear()
+        self._by_ref.clear()
+
+    def size_outputs_as_the_real_kernels(self) -> int:
+        """Fake traces: give outputs of :data:`REAL_STORAGE_OPS` the storage size their CPU kernel returns.
+        Returns how many storages changed."""
+        changed = 0
+        for kernel, outputs in self.resized:
+            sizes = real_output_bytes(kernel)
+            if sizes is None or len(sizes) != len(outputs):
+                continue
+            for rec, nbytes in zip(outputs, sizes, strict=True):
+                if rec is not None and rec.nbytes != nbytes:
+                    rec.nbytes = nbytes
+                    changed += 1
+        return changed
+
+    def module_calls(self) -> tuple[ModuleCall, ...]:
+        """Every module call of the step, with its backward span and the older state it wrote in place."""
+        writes = [(e, rec.alloc_event, rec.name) for e, rec in self.writes]
+        return self.scopes.module_calls(self.event_calls, [phase for phase, _, _ in self.ops], writes)
 
     def entries(self, evidence: Evidence = Evidence.TRACED) -> list[Entry]:
         self._fold_accumulations()
@@ -338,7 +411,7 @@ def _entry(r: _Storage, evidence: Evidence) -> Entry:
             category, role = Category.ACTIVATIONS, "saved"
         else:
             category, role = Category.WORKSPACE, f"{r.phase}_temporary"
-    itemsize = torch.empty((), dtype=getattr(torch, r.dtype), device="meta").element_size()
+    itemsize = _ITEMSIZE.get(r.dtype) or _itemsize(r.dtype)
     return Entry(
         name=r.name,
         category=category,
@@ -355,6 +428,14 @@ def _entry(r: _Storage, evidence: Evidence) -> Entry:
         aliases=tuple(r.aliases),
         last_use_event=r.last_use_event if r.saved else None,
     )
+
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE[dtype] = getattr(torch, dtype).itemsize
+    return size
 
 
 _ADD = torch.ops.aten.add.Tensor
@@ -394,34 +475,78 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
     return found
 
 
-_OP_NAMES: dict[Any, str] = {}
+_OP_NAMES: dict[Any, str | None] = {}  # per op overload: its name, or None for what is not work on tensors
+_UNSEEN = object()
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def _op_name(func: Any) -> str:
-    name = _OP_NAMES.get(func)
-    if name is None:
-        name = _OP_NAMES[func] = str(func).removesuffix(".default")
+# Ops that update running statistics in place although their schema does not say so (``Tensor?`` without
+# ``(a!)``): BatchNorm's legacy kernels, in training mode (argument 5, ``training``).
+_UNANNOTATED_WRITES = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"})
+_RUNNING_STATS = ((3, "running_mean"), (4, "running_var"))
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors the op writes in place: arguments its schema marks ``Tensor(a!)``, and the running
+    statistics of BatchNorm's kernels in training."""
+    where = _WRITTEN.get(func)
+    if where is None:
+        where = _WRITTEN[func] = _write_positions(func)
+    if not where:
+        return []
+    if where is _RUNNING_STATS and not (args[5] if len(args) > 5 else kwargs.get("training", False)):
+        return []
+    return _tensors(*(args[i] if i < len(args) else kwargs.get(name) for i, name in where))
+
+
+def _write_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    if func._schema.name in _UNANNOTATED_WRITES:
+        return _RUNNING_STATS
+    return tuple(
+        (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _op_name(func: Any) -> str | None:
+    name = None if func.namespace in _NOT_OPS else str(func).removesuffix(".default")
+    _OP_NAMES[func] = name
     return name
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
+def _dtensor_types() -> tuple[type, ...]:
+    """``(DTensor,)`` once ``torch.distributed.tensor`` is imported, else ``()``: no DTensor can exist before
+    then, and importing it here would cost a second of start-up for every trace."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return (module.DTensor,) if module is not None else ()
+
+
+_STRIDED = torch.strided
+# Sparse and nested tensors have no single storage; a DTensor wrapper holds no bytes of its own (its local
+# shard does, and the shard's own ops are dispatched separately). Refreshed when a tracer starts.
+_NO_STORAGE: tuple[type, ...] = ()
+
+
 def _has_storage(t: torch.Tensor) -> bool:
-    # Sparse and nested tensors have no single storage; a DTensor wrapper holds no bytes of its own (its
-    # local shard does, and the shard's own ops are dispatched separately).
-    return t.layout == torch.strided and not _is_dtensor(t)
-
-
-@functools.cache
-def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+    return t.layout is _STRIDED and not isinstance(t, _NO_STORAGE)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
+    types = _dtensor_types()
+    return bool(types) and isinstance(t, types)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,291 @@
+"""Accelerators by name: memory, compute capability, bf16, and the memory a training step may use (no torch).
+
+Three figures of a card's memory differ, and the difference matters at the limit:
+
+- ``nominal_bytes``: the datasheet's "80 GB", read as 10⁹ bytes per GB: a round figure, below what the
+  driver reports for every card listed, and above what torch reports for the L40S and the A10G.
+- ``driver_total_bytes``: what the driver reports as the card's total, ``nvidia-smi``'s ``memory.total``
+  (MiB × 2²⁰; ``rocm-smi``'s VRAM total for AMD). An 80 GB H100 reports 81,559 MiB = 85,520,809,984 bytes.
+- ``torch_total_bytes``: ``torch.cuda.get_device_properties(i).total_memory`` (``cudaDeviceProp.totalGlobalMem``)
+  as observed on real machines. On data-centre cards it is 0.3–0.6 GiB below the driver total (an H100
+  80 GB HBM3 showed 81,082–81,090 MiB depending on the driver), on GeForce cards close to it. ``None``
+  where no public report was found.
+
+``total_bytes`` is the best of these known for a card (torch's, else the driver's, else the nominal), and
+``usable_bytes`` subtracts an estimate of the CUDA context, which PyTorch's allocator never sees.
+Compute capabilities are NVIDIA's (https://developer.nvidia.com/cuda-gpus).
+
+Example:
+    >>> from trainledger.devices import lookup
+    >>> h100 = lookup("H100")
+    >>> h100.name, h100.driver_total_bytes, h100.flash_attention
+    ('H100-80GB-SXM', 85520809984, True)
+    >>> h100.usable_bytes == h100.total_bytes - h100.context_bytes
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainledger.errors import InputError
+
+MiB = 1 << 20
+
+CUDA_CONTEXT_BYTES_ESTIMATE = 512 * MiB
+"""An estimate, not a measurement: the CUDA context, the loaded kernels and the driver's per-process
+reservations take device memory outside PyTorch's caching allocator — typically 300–600 MiB, depending on
+the driver, the CUDA version (lazy module loading) and the torch build. To measure it on a machine:
+``total - torch.cuda.mem_get_info()[0]`` after the first CUDA op, before any tensor is allocated."""
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One accelerator model."""
+
+    name: str
+    aliases: tuple[str, ...]
+    """Lower-case names accepted by ``lookup`` (the canonical name's lower-case form is always accepted)."""
+    vendor: Literal["nvidia", "amd"]
+    nominal_bytes: int
+    """The datasheet's capacity, GB read as 10⁹ bytes."""
+    driver_total_bytes: int | None
+    """The driver's total (``nvidia-smi`` ``memory.total``, ``rocm-smi`` VRAM total); ``None``: not found."""
+    torch_total_bytes: int | None
+    """``torch.cuda.get_device_properties().total_memory`` as observed (varies a little with the driver)."""
+    compute_capability: tuple[int, int] | None
+    """CUDA compute capability (``None`` for AMD, whose architecture is named in ``arch``)."""
+    bf16: bool
+    """Native bfloat16 arithmetic (NVIDIA sm80 and later; CDNA3)."""
+    source: str
+    """The vendor's datasheet or product page."""
+    arch: str = ""
+    context_bytes: int = CUDA_CONTEXT_BYTES_ESTIMATE
+    """Device memory outside PyTorch's allocator: an estimate (``CUDA_CONTEXT_BYTES_ESTIMATE``)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """torch's total if observed, else the driver's, else the nominal capacity."""
+        for value in (self.torch_total_bytes, self.driver_total_bytes):
+            if value is not None:
+                return value
+        return self.nominal_bytes
+
+    @property
+    def total_source(self) -> Literal["torch", "driver", "nominal"]:
+        if self.torch_total_bytes is not None:
+            return "torch"
+        return "driver" if self.driver_total_bytes is not None else "nominal"
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the caching allocator can reserve: ``total_bytes`` less the context estimate."""
+        return self.total_bytes - self.context_bytes
+
+    @property
+    def flash_attention(self) -> bool:
+        """Whether PyTorch's flash SDPA kernel runs here: NVIDIA sm80 and later; on ROCm, CDNA2/3 (AOTriton)."""
+        if self.vendor == "amd":
+            return self.arch in ("gfx90a", "gfx942")
+        return self.compute_capability is not None and self.compute_capability >= (8, 0)
+
+
+def _gb(n: int) -> int:
+    return n * 10**9
+
+
+_A100_DATASHEET = (
+    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+)
+_V100_DATASHEET = (
+    "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"
+)
+
+# The driver totals (MiB) are nvidia-smi's memory.total as printed on machines with each card; the torch
+# totals are total_memory as printed by torch.cuda.get_device_properties on such machines.
+DEVICES: tuple[Device, ...] = (
+    Device(
+        name="A100-40GB",
+        aliases=("a100-40gb", "a100-sxm4-40gb", "a100-pcie-40gb"),
+        vendor="nvidia",
+        nominal_bytes=_gb(40),
+        driver_total_bytes=40960 * MiB,
+        torch_total_bytes=40536 * MiB,
+        compute_capability=(8, 0),
+        bf16=True,
+        source=_A100_DATASHEET,
+    ),
+    Device(
+        name="A100-80GB",
+        aliases=("a100-80gb", "a100", "a100-sxm4-80gb", "a100-pcie-80gb"),
+        vendor="nvidia",
+        nominal_bytes=_gb(80),
+        driver_total_bytes=81920 * MiB,
+        torch_total_bytes=None,
+        compute_capability=(8, 0),
+        bf16=True,
+        source=_A100_DATASHEET,
+    ),
+    Device(
+        # torch: 81,089 MiB (81,082–81,090 MiB seen across drivers); nvidia-smi: 81,559 MiB
+        name="H100-80GB-SXM",
+        aliases=("h100-80gb", "h100", "h100-sxm", "h100-sxm5", "h100-80gb-hbm3"),
+        vendor="nvidia",
+        nominal_bytes=_gb(80),
+        driver_total_bytes=81559 * MiB,
+        torch_total_bytes=81089 * MiB,
+        compute_capability=(9, 0),
+        bf16=True,
+        source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
+    ),
+    Device(
+        # no report of this card's totals was found: the nominal 80 GB stands (the SXM part reports 85.5 GB)
+        name="H100-80GB-PCIe",
+        aliases=("h100-pcie", "h100-80gb-pcie"),
+        vendor="nvidia",
+        nominal_bytes=_gb(80),
+        driver_total_bytes=None,
+        torch_total_bytes=None,
+        compute_capability=(9, 0),
+        bf16=True,
+        source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
+    ),
+    Device(
+        name="H200",
+        aliases=("h200", "h200-141gb", "h200-sxm"),
+        vendor="nvidia",
+        nominal_bytes=_gb(141),
+        driver_total_bytes=143771 * MiB,
+        torch_total_bytes=143156 * MiB,
+        compute_capability=(9, 0),
+        bf16=True,
+        source="https://www.nvidia.com/en-us/data-center/h200/",
+    ),
+    Device(
+        name="L4",
+        aliases=("l4",),
+        vendor="nvidia",
+        nominal_bytes=_gb(24),
+        driver_total_bytes=23034 * MiB,
+        torch_total_bytes=None,
+        compute_capability=(8, 9),
+        bf16=True,
+        source="https://www.nvidia.com/en-us/data-center/l4/",
+    ),
+    Device(
+        name="L40S",
+        aliases=("l40s",),
+        vendor="nvidia",
+        nominal_bytes=_gb(48),
+        driver_total_bytes=46068 * MiB,
+        torch_total_bytes=45589 * MiB,
+        compute_capability=(8, 9),
+        bf16=True,
+        source="https://www.nvidia.com/en-us/data-center/l40s/",
+    ),
+    Device(
+        name="RTX-4090",
+        aliases=("rtx-4090", "4090", "geforce-rtx-4090"),
+        vendor="nvidia",
+        nominal_bytes=_gb(24),
+        driver_total_bytes=24564 * MiB,
+        torch_total_bytes=24563 * MiB,
+        compute_capability=(8, 9),
+        bf16=True,
+        source="https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4090/",
+    ),
+    Device(
+        # torch: 24,268 MiB (as Hugging Face's docs print it); 24,259 MiB seen with another driver
+        name="RTX-3090",
+        aliases=("rtx-3090", "3090", "geforce-rtx-3090"),
+        vendor="nvidia",
+        nominal_bytes=_gb(24),
+        driver_total_bytes=24576 * MiB,
+        torch_total_bytes=24268 * MiB,
+        compute_capability=(8, 6),
+        bf16=True,
+        source="https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3090-3090ti/",
+    ),
+    Device(
+        name="V100-16GB",
+        aliases=("v100-16gb", "v100-sxm2-16gb", "v100-pcie-16gb"),
+        vendor="nvidia",
+        nominal_bytes=_gb(16),
+        driver_total_bytes=16160 * MiB,
+        torch_total_bytes=None,
+        compute_capability=(7, 0),
+        bf16=False,
+        source=_V100_DATASHEET,
+    ),
+    Device(
+        name="V100-32GB",
+        aliases=("v100-32gb", "v100", "v100-sxm2-32gb"),
+        vendor="nvidia",
+        nominal_bytes=_gb(32),
+        driver_total_bytes=32768 * MiB,
+        torch_total_bytes=None,
+        compute_capability=(7, 0),
+        bf16=False,
+        source=_V100_DATASHEET,
+    ),
+    Device(
+        # AWS's variant of the A10 (G5 instances); the A10's page: https://www.nvidia.com/en-us/data-center/products/a10-gpu/
+        name="A10G",
+        aliases=("a10g",),
+        vendor="nvidia",
+        nominal_bytes=_gb(24),
+        driver_total_bytes=23028 * MiB,
+        torch_total_bytes=22587 * MiB,
+        compute_capability=(8, 6),
+        bf16=True,
+        source="https://aws.amazon.com/ec2/instance-types/g5/",
+    ),
+    Device(
+        # rocm-smi's VRAM total; hipDeviceProp totalGlobalMem and torch.cuda.mem_get_info report the same bytes
+        name="MI300X",
+        aliases=("mi300x", "instinct-mi300x"),
+        vendor="amd",
+        nominal_bytes=_gb(192),
+        driver_total_bytes=205822885888,
+        torch_total_bytes=205822885888,
+        compute_capability=None,
+        bf16=True,
+        source="https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html",
+        arch="gfx942",
+    ),
+)
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+_BY_NAME: dict[str, Device] = {}
+for _device in DEVICES:
+    for _alias in {_key(_device.name), *_device.aliases}:
+        assert _alias not in _BY_NAME, f"device alias {_alias!r} is listed twice"
+        _BY_NAME[_alias] = _device
+
+
+def device_names() -> tuple[str, ...]:
+    """Every name ``lookup`` accepts, sorted."""
+    return tuple(sorted(_BY_NAME))
+
+
+def lookup(name: str) -> Device:
+    """The device called ``name`` (case, spaces and underscores do not matter: ``H100``, ``a100_80gb``).
+
+    Example:
+        >>> lookup("RTX 4090").compute_capability
+        (8, 9)
+        >>> lookup("b300")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        trainledger.errors.InputError: unknown device 'b300'; accepted: 3090, 4090, a100, ...
+    """
+    device = _BY_NAME.get(_key(name))
+    if device is None:
+        raise InputError(f"unknown device {name!r}; accepted: {', '.join(device_names())}")
+    return device

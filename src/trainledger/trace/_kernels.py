@@ -1,0 +1,262 @@
+"""Memory that CPU kernels allocate and free inside one op, measured by running each kernel alone.
+
+A dispatch-level trace sees the storages an op returns, not the buffers its kernel allocates and frees
+before returning: oneDNN's convolution copies its input and the output gradient into blocked layouts
+(channels padded to its vector width), BatchNorm's backward keeps a temporary of the input's size, the
+LSTM's backward a workspace. Those are real memory at the op's instant (the profiler's allocation
+events, ``trainledger trace --measure``, see them), and on convolutional nets they can be a sixth of the
+peak.
+
+Which ops do this was found by probing every built-in example and the test zoo under the profiler
+(``python -m benchmarks.kernel_workspace``); the kernels they run depend on the machine (vector width,
+thread count), so their buffers are not a formula: each distinct call (op, shapes, strides, dtypes and
+arguments) is run once more, alone, on zero-filled tensors of the same layout, under the profiler, and its
+largest allocation above what it returns becomes a ``workspace`` entry with role ``kernel_internal`` and
+evidence ``measured``, live at that op's event only. Calls too large to run here are left out and the
+ledger's notes say how many.
+
+Nothing the step observes changes: the kernels run on tensors of their own, outside the traced step, and
+no random numbers are drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainledger.ledger import Category, Entry, Evidence
+
+KERNEL_INTERNAL = "kernel_internal"
+
+# Ops whose CPU kernels allocate buffers they free before returning (found by the probe named above).
+PROBED_OPS: frozenset[str] = frozenset(
+    {
+        "aten.convolution",
+        "aten.convolution_backward",
+        "aten.embedding",
+        "aten.embedding_dense_backward",
+        "aten.mkldnn_rnn_layer",
+        "aten.mkldnn_rnn_layer_backward",
+        "aten.mse_loss",
+        "aten.native_batch_norm",
+        "aten.native_batch_norm_backward",
+        "aten.native_layer_norm_backward",
+    }
+)
+
+# Ops whose CPU kernel returns a storage of another size than its meta kernel declares, so that a fake trace
+# would get it wrong: ``mse_loss``'s scalar lives in a buffer the size of its input, and oneDNN's LSTM layer
+# returns a workspace that is empty on fake tensors. A fake trace sizes these outputs by running the kernel.
+REAL_STORAGE_OPS: frozenset[str] = frozenset({"aten.mse_loss", "aten.mkldnn_rnn_layer"})
+
+# Kernels that read a buffer an earlier kernel made, whose size fake tensors get wrong (the LSTM's backward
+# reads the forward's workspace): on a fake trace they are not run, and the notes count them.
+NEEDS_REAL_INPUTS: frozenset[str] = frozenset({"aten.mkldnn_rnn_layer_backward"})
+
+MAX_CALIBRATION_BYTES = 1 << 30
+"""A call whose tensors (inputs and outputs) exceed this is not run to measure it (too large for here)."""
+
+_MEASURED: dict[tuple[KernelCall, int], int] = {}  # (call, intra-op threads) -> bytes, for this process
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        if not self.shape:
+            return torch.empty((), dtype=self.dtype, device="meta").element_size()
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True) if n > 0)
+        return span * torch.empty((), dtype=self.dtype, device="meta").element_size()
+
+    def zeros(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """An op with the layout of its arguments: what decides which buffers its kernel allocates."""
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    grad_enabled: bool
+    """Autograd's mode when the op ran (some kernels keep a training workspace only with it on)."""
+
+    @classmethod
+    def of(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KernelCall | None:
+        """The call's signature, or ``None`` when an argument is not a plain CPU tensor or value."""
+        try:
+            return cls(
+                func,
+                tuple(_spec(a) for a in args),
+                tuple((k, _spec(v)) for k, v in sorted(kwargs.items())),
+                torch.is_grad_enabled(),
+            )
+        except _Unsupported:
+            return None
+
+    def run(self) -> Any:
+        """The op on zero-filled tensors of the call's layout, in the call's autograd mode."""
+        args, kwargs = self.arguments()
+        with torch.set_grad_enabled(self.grad_enabled):
+            return self.op(*args, **kwargs)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(s.nbytes for s in _specs(self.args)) + sum(
+            s.nbytes for s in _specs(tuple(v for _, v in self.kwargs))
+        )
+
+    def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Zero-filled tensors of the call's layout, and its other arguments as given."""
+        return tuple(_build(a) for a in self.args), {k: _build(v) for k, v in self.kwargs}
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or x.device.type != "cpu":
+            raise _Unsupported
+        return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_spec(y) for y in x)
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.memory_format, torch.layout)):
+        return x
+    raise _Unsupported
+
+
+def _specs(values: tuple[Any, ...]) -> Iterator[_TensorSpec]:
+    for v in values:
+        if isinstance(v, _TensorSpec):
+            yield v
+        elif isinstance(v, tuple):
+            yield from _specs(v)
+
+
+def _build(x: Any) -> Any:
+    if isinstance(x, _TensorSpec):
+        return x.zeros()
+    if isinstance(x, tuple):
+        return [_build(y) for y in x]
+    return x
+
+
+def internal_bytes(calls: list[KernelCall]) -> dict[KernelCall, int]:
+    """Per call: the most its kernel held at once above the storages it returned (profiler events).
+
+    Each call is measured once per process and thread count. Calls larger than
+    :data:`MAX_CALIBRATION_BYTES` are skipped (absent from the result).
+    """
+    threads = torch.get_num_threads()
+    distinct = [c for c in dict.fromkeys(calls) if c.tensor_bytes <= MAX_CALIBRATION_BYTES]
+    todo = [c for c in distinct if (c, threads) not in _MEASURED]
+    if todo:
+        for call, nbytes in zip(todo, _measure(todo), strict=True):
+            _MEASURED[call, threads] = nbytes
+    return {c: _MEASURED[c, threads] for c in distinct}
+
+
+def _measure(calls: list[KernelCall]) -> list[int]:
+    """Run each call twice on zero-filled tensors under the profiler; the second run counts (a first run
+    may build and cache the kernel's plan)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i, call in enumerate(calls):
+            args, kwargs = call.arguments()
+            with torch.set_grad_enabled(call.grad_enabled):
+                call.op(*args, **kwargs)
+                with record_function(f"{_WINDOW}{i}"):
+                    out = call.op(*args, **kwargs)
+            del out, args, kwargs
+            gc.collect()
+    events = prof.profiler.kineto_results.events()
+    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith(_WINDOW)}
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    out = []
+    for i in range(len(calls)):
+        t0, t1 = windows[f"{_WINDOW}{i}"]
+        run = peak = 0
+        for e in memory:
+            if t0 <= e.start_ns() <= t1:
+                run += e.nbytes()
+                peak = max(peak, run)
+        out.append(max(0, peak - max(run, 0)))
+    return out
+
+
+_WINDOW = "trainledger.kernel."
+_OUTPUTS: dict[KernelCall, list[int]] = {}
+
+
+def real_output_bytes(call: KernelCall) -> list[int] | None:
+    """Storage bytes of each tensor the call's CPU kernel returns, run on zero-filled tensors (fake mode
+    switched off for the run); ``None`` when the call is too large to run here."""
+    if call.tensor_bytes > MAX_CALIBRATION_BYTES:
+        return None
+    if call not in _OUTPUTS:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            out = call.run()
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        _OUTPUTS[call] = [t.untyped_storage().nbytes() for t in flat if isinstance(t, torch.Tensor)]
+    return _OUTPUTS[call]
+
+
+@contextlib.contextmanager
+def _quiet_profiler() -> Iterator[None]:
+    """The profiler's native layer prints start/stop lines on stderr in some builds: keep them out."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def kernel_entries(calls: list[tuple[int, str, str, KernelCall | None]]) -> tuple[list[Entry], int]:
+    """Workspace entries for ``(event, op name, module, call)`` of a trace, and how many calls could not be
+    run here (too large, or a call that fake tensors cannot describe: ``None``)."""
+    measured = internal_bytes([c for *_, c in calls if c is not None])
+    entries = []
+    for event, op, module, call in calls:
+        nbytes = measured.get(call)
+        if not nbytes:
+            continue
+        entries.append(
+            Entry(
+                name=f"{op}#{event}:internal",
+                category=Category.WORKSPACE,
+                role=KERNEL_INTERNAL,
+                dtype="uint8",
+                numel=nbytes,
+                nbytes=nbytes,
+                owner=module,
+                alloc_event=event,
+                free_event=event + 1,
+                evidence=Evidence.MEASURED,
+                shape=(nbytes,),
+            )
+        )
+    skipped = sum(1 for *_, c in calls if c not in measured)
+    return entries, skipped
