@@ -57,3 +57,50 @@ def test_world_one_keeps_the_ledger():
     led = declared_ledger(StateSpec(num_params=1000))
     res = shard(led, world_size=1, strategy="full_shard")
     assert res.ranks[0].entries == led.entries and res.collectives == ()
+
+
+def _optimizer_temporaries(ledger):
+    phases = [ev.phase for ev in ledger.events]
+    return sorted(
+        e.nbytes
+        for e in ledger.entries
+        if e.category.value == "workspace" and e.alloc_event is not None and phases[e.alloc_event] == "optimizer"
+    )
+
+
+def test_fsdp_optimizer_temporaries_are_traced(one_rank_group):
+    """FSDP2's optimizer runs on DTensors, whose own ops run below the tracer: their outputs are traced by
+    their local tensors. One rank holds everything, so its temporaries are the plain step's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainledger.shard._observe import fsdp_storage_view
+    from trainledger.trace import trace
+
+    w = mlp()
+    w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # two temporaries per parameter
+    plain = trace(w)
+    w = mlp()
+    w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3)
+    fully_shard(w.model, mesh=init_device_mesh("cpu", (1,)))
+    with fsdp_storage_view(w.model):
+        sharded = trace(w)
+    expected = _optimizer_temporaries(plain)
+    assert len(expected) == 2 * 6  # sqrt and div of each of the three layers' weight and bias
+    assert _optimizer_temporaries(sharded) == expected
+
+
+def test_settled_collectives_pause_after_each_wait_and_restore(one_rank_group):
+    import time
+
+    from torch._C._distributed_c10d import Work
+
+    from trainledger.shard._observe import settled_collectives
+
+    original = Work.wait
+    t = torch.ones(3)
+    with settled_collectives(seconds=0.05):
+        start = time.perf_counter()
+        dist.all_reduce(t, async_op=True).wait()
+        assert time.perf_counter() - start >= 0.05
+    assert Work.wait is original and t.tolist() == [1.0, 1.0, 1.0]

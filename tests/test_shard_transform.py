@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from trainledger.declared import StateSpec, declared_ledger
@@ -111,7 +113,7 @@ def _traced() -> Ledger:
     Events: 0 root fwd, 1–2 h.0 fwd, 3–4 h.1 fwd, 5–6 h.1 bwd, 7–8 h.0 bwd, 9 root bwd, 10 optimizer.
     An activation of 100 bytes is live over [1, 8).
     """
-    mods = ["", "h.0", "h.0", "h.1", "h.1", "h.1", "h.1", "h.0", "h.0", "", ""]
+    mods = ["(root)", "h.0", "h.0", "h.1", "h.1", "h.1", "h.1", "h.0", "h.0", "(root)", ""]
     phases = ["forward"] * 5 + ["backward"] * 5 + ["optimizer"]
     events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
     entries = []
@@ -176,13 +178,14 @@ def test_full_shard_timeline_by_hand():
     assert life["reduce-scatter input h.0"] == (20, 23, 48)
     assert life["reduce-scatter input <root>"] == (23, 25, 32)
     grads = {e.name: (e.alloc_event, e.free_event, e.nbytes) for e in r0.entries if e.category == Category.GRADIENTS}
-    assert grads["h.1.b.grad"] == (12, 15, 48) and grads["h.1.b.grad (shard)"] == (15, None, 24)
+    # each unit's only (so last) gradient outlives the copy-in until its post-backward returns
+    assert grads["h.1.b.grad"] == (12, 16, 48) and grads["h.1.b.grad (shard)"] == (15, None, 24)
     assert grads["r.grad (shard)"] == (24, None, 16)
     persistent = (2 + 3 + 3) * 8 + 2 * (2 + 3 + 3) * 8 + 3 * 4  # sharded weights, rank 0's moments and steps
     # at event 13 (old 6, h.1's backward, h.0 prefetched): root and h.1 gathered, h.0's buffer, h.1's gradient
     assert r0.totals()[13] == persistent + 32 + 48 + 48 + 48 + 100
-    # at h.1's reduce-scatter: root gathered, h.0's buffer, the input, h.1's shard, the activation
-    assert r0.totals()[15] == persistent + 32 + 48 + 48 + 24 + 100
+    # at h.1's reduce-scatter: root gathered, h.0's buffer, the input, h.1's gradient and shard, the activation
+    assert r0.totals()[15] == persistent + 32 + 48 + 48 + 48 + 24 + 100
     # gloo reduce-scatters a full-size copy of its input: 48 more bytes for that one event
     gloo = shard(led, world_size=2, strategy="full_shard", reduce_scatter_copy=True).ranks[0]
     assert gloo.totals()[15] == r0.totals()[15] + 48 and gloo.totals()[16] == r0.totals()[16]
@@ -303,6 +306,184 @@ def test_units_without_input_grads_are_reduced_at_the_end():
     ]
     life = {e.name: (e.alloc_event, e.free_event) for e in led.entries}
     assert life["gathered params h.0 (backward)"] == (16, 23)
-    assert life["h.0.a.grad"] == (18, 24)
+    assert life["h.0.a.grad"] == (18, 25)  # its unit's last gradient: until the hook returns
     assert life["reduce-scatter input <root>"] == (21, 23)
     assert life["reduce-scatter input h.0"] == (23, 25)
+
+
+def test_loss_outside_the_model_runs_between_the_roots_hooks():
+    """``Workload(loss_fn=...)``: the loss's forward runs after the root's post-forward, and its backward
+    (and the seed of backward) before the root's pre-backward, which fires when the gradient reaches the
+    model's output. Old events: 0 root, 1–2 h.0, 3–4 h.1, 5 the loss (module ""); backward: 6 the seed
+    (""), 7 the loss (``(loss)``), 8–9 h.1, 10–11 h.0, 12 root; 13 optimizer."""
+    base = _traced()
+    mods = ["(root)", "h.0", "h.0", "h.1", "h.1", "", "", "(loss)", "h.1", "h.1", "h.0", "h.0", "(root)", ""]
+    phases = ["forward"] * 6 + ["backward"] * 7 + ["optimizer"]
+    events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
+    moved = {5: 8, 7: 10, 9: 12, 1: 1, 8: 11, 10: 13}  # old event of _traced() -> here
+    entries = tuple(
+        e if e.alloc_event is None else replace(e, alloc_event=moved[e.alloc_event], free_event=moved.get(e.free_event))
+        for e in base.entries
+    )
+    logits = Entry("logits", Category.ACTIVATIONS, "saved", "float32", 250, 1000, alloc_event=4, free_event=8)
+    led = Ledger((*entries, logits), events, evidence=Evidence.TRACED)
+    r0 = shard(led, world_size=2, strategy="full_shard").ranks[0]
+    # new clock: 0 gather root, 1 [0], 2 gather h.0, 3 [1], 4 [2], 5 gather h.1, 6 [3], 7 [4], 8 [5],
+    # 9 [6], 10 [7], 11 gather root (bwd), 12 prefetch, 13 gather h.1 (bwd), 14 prefetch, 15 [8], …
+    assert [(ev.op, ev.module) for ev in r0.events[8:12]] == [
+        ("op", ""),
+        ("op", ""),
+        ("op", "(loss)"),
+        ("fsdp.all_gather", "(root)"),
+    ]
+    life = {e.name: (e.alloc_event, e.free_event) for e in r0.entries if e.owner == "shard"}
+    # the root's post-forward, before the loss: its parameters and the last unit's flat buffer are freed
+    assert life["gathered params <root> (forward)"] == (0, 8)
+    assert life["all-gather output h.1 (forward)"] == (5, 8)
+    assert life["gathered params <root> (backward)"] == (11, 26)
+    # nothing FSDP gathers is live while the loss runs, forward or backward
+    assert not [e.name for e in r0.entries if e.owner == "shard" and any(e.live_at(i) for i in (8, 9, 10))]
+
+
+def test_fsdp_optimizer_temporaries_have_the_ranks_real_rows():
+    """FSDP2's optimizer updates each parameter's local shard: a temporary shaped like a parameter has that
+    shape's real rows on the rank (a: 5 rows, rank 0 holds 3, rank 1 holds 2), a scalar stays whole."""
+    led = _traced()
+    temps = (
+        Entry("sqrt", Category.WORKSPACE, "optimizer_temporary", "float32", 10, 40, alloc_event=10, shape=(5, 2)),
+        Entry("bias_correction", Category.WORKSPACE, "optimizer_temporary", "float32", 1, 4, alloc_event=10, shape=()),
+    )
+    led = led.with_entries((*led.entries, *temps))
+    ranks = shard(led, world_size=2, strategy="full_shard").ranks
+    sizes = [{e.name: e.nbytes for e in r.entries if e.role == "optimizer_temporary"} for r in ranks]
+    assert sizes == [{"sqrt": 3 * 2 * 4, "bias_correction": 4}, {"sqrt": 2 * 2 * 4, "bias_correction": 4}]
+
+
+def test_fsdp_keeps_a_units_last_gradient_through_its_reduce_scatter():
+    """``foreach_reduce``'s loop variable holds the unit's last gradient (in the model's parameter order)
+    until the post-backward hook returns; the others are dropped after the copy-in."""
+    led = _traced()
+    c = Entry("h.1.c", Category.WEIGHTS, "param", "float32", 4, 16, shape=(2, 2))
+    c_grad = Entry("h.1.c.grad", Category.GRADIENTS, "grad", "float32", 4, 16, alloc_event=6)
+    for order, kept in (
+        (["r", "h.0.a", "h.1.b", "h.1.c"], "h.1.c.grad"),
+        (["r", "h.0.a", "h.1.c", "h.1.b"], "h.1.b.grad"),
+    ):
+        ranked = led.with_entries((*led.entries, c, c_grad), meta={"parameter_order": order})
+        r0 = shard(ranked, world_size=2, strategy="full_shard").ranks[0]
+        # h.1's post-backward: copy-in at 14, reduce-scatter at 15
+        free = {e.name: e.free_event for e in r0.entries if e.name in ("h.1.b.grad", "h.1.c.grad")}
+        assert free == {"h.1.b.grad": 15, "h.1.c.grad": 15, kept: 16}
+
+
+def test_a_one_element_parameters_step_counter_is_kept_whole():
+    """A (1,)-shaped parameter over 2 ranks: rank 1 holds no real row, yet its optimizer keeps the 0-dim
+    step counter (4 bytes); the moment, shaped like the parameter, has no real element there."""
+    entries = (
+        Entry("g", Category.WEIGHTS, "param", "float32", 1, 4, shape=(1,)),
+        Entry("optimizer.g.exp_avg", Category.OPTIMIZER, "exp_avg", "float32", 1, 4, shape=(1,)),
+        Entry("optimizer.g.step", Category.OPTIMIZER, "step", "float32", 1, 4, shape=()),
+    )
+    ranks = shard(Ledger(entries), world_size=2, strategy="full_shard", engine="torch").ranks
+    opt = [{e.role: e.nbytes for e in r.entries if e.category == Category.OPTIMIZER} for r in ranks]
+    assert opt == [{"exp_avg": 4, "step": 4}, {"exp_avg": 0, "step": 4}]
+
+
+def _single_tensor_step() -> Ledger:
+    """Parameters a (10), b (4), c (6), Adam-like moments; the optimizer updates one after another.
+
+    Events: 0 forward, 1 backward, optimizer 2–4 a, 5–7 b, 8–10 c (sqrt, div, addcdiv each, attributed
+    to the parameter they update), 11 zero_grad. Each parameter's ``sqrt`` lives within its segment; its
+    ``denom`` (the div) lives until the next parameter's division is done (two events into the next
+    segment), the last one's until the step returns.
+    """
+    events = [Event(0, "forward", "mm", "(root)"), Event(1, "backward", "mm", "(root)")]
+    entries = []
+    sizes = {"a": 10, "b": 4, "c": 6}
+    for k, (name, n) in enumerate(sizes.items()):
+        s = 2 + 3 * k
+        events += [
+            Event(s + i, "optimizer", op, name) for i, op in enumerate(("aten.sqrt", "aten.div", "aten.addcdiv_"))
+        ]
+        entries.append(Entry(name, Category.WEIGHTS, "param", "float32", n, 4 * n, shape=(n,)))
+        entries.append(Entry(f"optimizer.{name}.exp_avg", Category.OPTIMIZER, "exp_avg", "float32", n, 4 * n))
+        temp = Category.WORKSPACE, "optimizer_temporary", "float32", n, 4 * n
+        entries.append(Entry(f"sqrt {name}", *temp, owner=name, alloc_event=s, free_event=s + 2, shape=(n,)))
+        denom_free = s + 3 + 2 if k < 2 else 11
+        entries.append(Entry(f"denom {name}", *temp, owner=name, alloc_event=s + 1, free_event=denom_free, shape=(n,)))
+    events.append(Event(11, "zero_grad", "detach", ""))
+    return Ledger(tuple(entries), tuple(events), evidence=Evidence.TRACED)
+
+
+def test_zero1_rank_steps_its_own_parameters_in_its_own_order():
+    """ZeroRedundancyOptimizer: a (10) to rank 0, c (6) then b (4) to rank 1, whose optimizer updates c
+    first: c's denom is alive while b's temporaries are made, not b's while c's are."""
+    res = shard(_single_tensor_step(), world_size=2, strategy="zero1", engine="torch")
+    r0, r1 = res.ranks
+    assert [ev.module for ev in r1.events if ev.phase == "optimizer"] == ["c"] * 3 + ["b"] * 3
+    assert r1.events[-1].phase == "zero_grad" and r1.num_events == 9
+    life = {e.name: (e.alloc_event, e.free_event) for e in r1.entries if e.category == Category.WORKSPACE}
+    assert life == {"sqrt c": (2, 4), "denom c": (3, 7), "sqrt b": (5, 7), "denom b": (6, 8)}
+    weights, moments, buckets = 4 * (10 + 4 + 6), 4 * (6 + 4), 4 * (10 + 4 + 6)  # DDP's buckets copy every grad
+    # the rank's optimizer peak: c's denom, b's sqrt and denom (in the reference order, b then c, it would be
+    # b's denom with c's sqrt and denom: 8 bytes more)
+    assert max(r1.totals()[2:8]) == weights + moments + buckets + 4 * (6 + 4 + 4)
+    # rank 0 updates a alone: its sqrt and denom, nothing of b or c
+    assert {e.name for e in r0.entries if e.category == Category.WORKSPACE} == {"sqrt a", "denom a"}
+    assert [ev.module for ev in r0.events if ev.phase == "optimizer"] == ["a"] * 3
+
+
+def test_fsdp_master_gradients_are_the_optimizers_own():
+    """A master-weight optimizer casts each gradient onto an fp32 copy in its step: that copy is made from
+    the rank's shard (its real rows) when the step runs, not placed on FSDP's backward timeline."""
+    led = _traced()
+    master_grad = Entry("h.0.a.master.grad", Category.GRADIENTS, "master_grad", "float32", 10, 40, alloc_event=10)
+    led = led.with_entries((*led.entries, master_grad))
+    ranks = shard(led, world_size=2, strategy="full_shard").ranks
+    got = [[(e.nbytes, r.events[e.alloc_event].phase) for e in r.entries if e.role == "master_grad"] for r in ranks]
+    assert got == [[(3 * 2 * 4, "optimizer")], [(2 * 2 * 4, "optimizer")]]
+
+
+def test_a_reference_model_called_by_the_loss_is_outside_the_root():
+    """A frozen reference model run inside the loss (DPO, a proximal term) runs after the model returns:
+    the root's post-forward comes before its ops. Old events: 0 root, 1–2 h.0, 3–4 h.1, 5 reference.0."""
+    base = _traced()
+    mods = ["(root)", "h.0", "h.0", "h.1", "h.1", "reference.0", "h.1", "h.1", "h.0", "h.0", "(root)", ""]
+    phases = ["forward"] * 6 + ["backward"] * 5 + ["optimizer"]
+    events = tuple(Event(i, ph, "op", m) for i, (ph, m) in enumerate(zip(phases, mods, strict=True)))
+    moved = {1: 1, 5: 6, 7: 8, 8: 9, 9: 10}
+    entries = tuple(
+        e if e.alloc_event is None else replace(e, alloc_event=moved[e.alloc_event], free_event=moved.get(e.free_event))
+        for e in base.entries
+    )
+    reference = Entry("reference.0.w", Category.FROZEN, "reference", "float32", 4, 16)
+    led = Ledger((*entries, reference), events, evidence=Evidence.TRACED)
+    r0 = shard(led, world_size=2, strategy="full_shard").ranks[0]
+    # new clock: 0 gather root, 1 [0], 2 gather h.0, 3 [1], 4 [2], 5 gather h.1, 6 [3], 7 [4], 8 [5] …
+    life = {e.name: (e.alloc_event, e.free_event) for e in r0.entries if e.owner == "shard"}
+    assert life["gathered params <root> (forward)"] == (0, 8)
+    assert life["all-gather output h.1 (forward)"] == (5, 8)
+    assert r0.events[8].module == "reference.0"
+    # DDP alone (stage 0): every rank steps every parameter, in the model's order
+    ddp = shard(_single_tensor_step(), world_size=2, strategy="zero0", engine="torch").ranks[1]
+    assert ddp.events == _single_tensor_step().events
+    assert {e.name for e in ddp.entries if e.category == Category.WORKSPACE} == {
+        f"{k} {p}" for k in ("sqrt", "denom") for p in "abc"
+    }
+
+
+def test_ddp_first_bucket_is_small():
+    """DDP's first bucket closes at 1 MiB, the next ones at 25 MiB: 1.93 MB of gradients (unet-small) are
+    two all-reduce calls, 0.88 MB (gpt-tiny) one."""
+    entries = []
+    for k, n in enumerate((300_000, 200_000, 100_000)):  # float32: 1.2 MB, 0.8 MB, 0.4 MB
+        entries.append(Entry(f"w{k}", Category.WEIGHTS, "param", "float32", n, 4 * n))
+        # backward produces the last layer's gradient first
+        entries.append(Entry(f"w{k}.grad", Category.GRADIENTS, "grad", "float32", n, 4 * n, alloc_event=3 - k))
+    events = tuple(Event(i, ph, "op", "(root)") for i, ph in enumerate(("forward",) + ("backward",) * 3))
+    res = shard(
+        Ledger(tuple(entries), events, evidence=Evidence.TRACED), world_size=2, strategy="zero0", engine="torch"
+    )
+    (ar,) = [c for c in res.collectives if c.kind == "all_reduce"]
+    # ready order w2 (0.4 MB), w1 (0.8 MB): 1.2 MB >= 1 MiB closes the first bucket; w0 the second
+    assert (ar.payload_bytes, ar.num_calls) == (2_400_000, 2)

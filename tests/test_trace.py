@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -137,6 +138,52 @@ def test_saved_activations_are_told_apart_from_temporaries():
     assert all(led.events[e.last_use_event].phase == "backward" for e in acts)
     mm_out = [e for e in led.entries if e.name.startswith("aten.mm#")]
     assert mm_out and mm_out[0].category == Category.WORKSPACE
+
+
+class _HandsOff(nn.Module):
+    """Gives a temporary to another thread, which drops the last reference to it (as gloo's workers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = [x * 2]  # a 5x4 float temporary, referenced only by the list
+
+        def let_go() -> None:
+            held.clear()
+
+        worker = threading.Thread(target=let_go)
+        worker.start()
+        worker.join()  # the temporary is freed on the worker, before forward goes on
+        return self.fc(x).sum()
+
+
+def test_frees_on_another_thread_are_counted_and_noted():
+    led = trace(Workload(_HandsOff(), torch.randn(5, 4), optimizer=lambda ps: torch.optim.SGD(ps)))
+    assert led.meta["frees_on_other_threads"] == 1
+    assert any("freed by another thread" in n and "aten.mul.Tensor" in n for n in led.notes)
+    assert "frees_on_other_threads" not in trace(examples.mlp()).meta
+
+
+def test_optimizer_ops_name_the_parameter_they_update():
+    """A single-tensor Adam updates one parameter after another: each op names its parameter, and each
+    temporary (``sqrt``, the division) names the parameter it was made for."""
+    w = examples.mlp()
+    w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False)
+    led = trace(w)
+    names = [n for n, _ in w.model.named_parameters()]
+    runs = [ev.module for ev in led.events if ev.phase == "optimizer"]
+    assert [m for i, m in enumerate(runs) if i == 0 or runs[i - 1] != m] == names  # one run per parameter
+    temps = [e for e in led.entries if e.alloc_event is not None and led.events[e.alloc_event].phase == "optimizer"]
+    assert sorted({e.owner for e in temps}) == sorted(names)
+    assert all(led.events[e.alloc_event].module == e.owner for e in temps)
+    # a foreach op works on every parameter at once: it names none, each of its outputs names its own
+    w = examples.mlp()
+    w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)
+    led = trace(w)
+    foreach = [e for e in led.entries if e.name.startswith("aten._foreach_sqrt")]
+    assert sorted(e.owner for e in foreach) == sorted(names) and led.events[foreach[0].alloc_event].module == ""
 
 
 def test_every_event_has_a_phase_and_backward_events_name_their_module():

@@ -154,8 +154,18 @@ class Event:
     """``forward``, ``backward``, ``optimizer``, ``zero_grad``, or ``state`` for untraced ledgers."""
     op: str = ""
     module: str = ""
-    """Module path whose forward (or whose gradient, in backward) the op belongs to."""
+    """Module path whose forward (or whose gradient, in backward) the op belongs to: ``(root)`` for the
+    root module's own ops, ``(loss)`` in backward for a loss computed outside the model, ``""`` for ops
+    outside every module (a ``loss_fn``'s forward, the seed of backward). In the optimizer step, the name
+    of the one parameter the op updates (``""`` when none, or several: a foreach op)."""
 
+
+ROOT_SCOPE = "(root)"
+"""``Event.module`` of ops in the root module's own forward and their backward."""
+LOSS_SCOPE = "(loss)"
+"""``Event.module`` of the backward of a loss computed outside the model (``Workload.loss_fn``)."""
+REFERENCE_SCOPE = "reference"
+"""Module paths of a frozen reference model (``Workload.reference``) start with this, as its weights' names do."""
 
 STATE_EVENT = Event(index=0, phase="state")
 

@@ -6,9 +6,10 @@ reduce-scatter: its input), so they can be compared with what a wrapper around t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainledger.ledger import Category
+from trainledger.ledger import Category, Entry
 from trainledger.shard._fsdp import order_of
 from trainledger.shard._partition import shard_rows
 from trainledger.shard.comm import Collective
@@ -17,6 +18,9 @@ from trainledger.units import dtype_bytes
 if TYPE_CHECKING:
     from trainledger.shard.transform import _Context
 
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""DDP's first gradient bucket holds about 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``), so the first
+gradients of backward are sent early; the others take ``bucket_cap_mb`` (25 MiB)."""
 DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20
 """DDP broadcasts module buffers before every forward in coalesced buckets of 250 MiB
 (``DistributedDataParallel.broadcast_bucket_size``)."""
@@ -34,8 +38,10 @@ def step_collectives(ctx: _Context) -> list[Collective]:
         grad_numel = sum(p.numel for p in trainable)
         if plan.partition == "flat" and plan.shard_optimizer:
             grad_numel = -(-grad_numel // n) * n  # padded to equal partitions
-        bucket = cfg.ddp_bucket_bytes if plan.buffers == "ddp" else cfg.reduce_bucket_numel * gsize
-        calls = max(1, -(-grad_numel * gsize // bucket))
+        if plan.buffers == "ddp":
+            calls = len(ddp_buckets(_ready_order(ctx, trainable), cfg.ddp_bucket_bytes))
+        else:
+            calls = max(1, -(-grad_numel * gsize // (cfg.reduce_bucket_numel * gsize)))
         kind = "all_reduce" if not plan.shard_optimizer or plan.buffers == "ddp" else "reduce_scatter"
         out = [Collective(kind, "backward", "gradients", grad_numel * gsize, n, calls)]
         by_dtype: dict[str, int] = {}
@@ -93,3 +99,45 @@ def step_collectives(ctx: _Context) -> list[Collective]:
             gather(unit, "backward")
         reduce(unit)
     return out
+
+
+def ddp_buckets(grads: Sequence[tuple[str, int]], bucket_bytes: int) -> list[int]:
+    """Bytes of each of DDP's gradient buckets, given ``(dtype, bytes)`` of the gradients in the order
+    they become ready in backward.
+
+    After its first step DDP rebuilds its buckets in that order, one run per dtype: a bucket closes once
+    it holds at least its limit (``DDP_FIRST_BUCKET_BYTES`` for a dtype's first, ``bucket_bytes`` after),
+    so the gradient that crosses the limit is the bucket's last (``compute_bucket_assignment_by_size``).
+
+    Example:
+        >>> ddp_buckets([("float32", 700_000), ("float32", 700_000), ("float32", 300_000)], 25 * 2**20)
+        [1400000, 300000]
+    """
+    sizes: list[int] = []
+    open_bucket: dict[str, int] = {}  # dtype -> index in sizes of its bucket being filled
+    limit: dict[str, int] = {}
+    for dtype, nbytes in grads:
+        if dtype not in open_bucket:
+            open_bucket[dtype] = len(sizes)
+            sizes.append(0)
+        k = open_bucket[dtype]
+        sizes[k] += nbytes
+        if sizes[k] >= limit.setdefault(dtype, DDP_FIRST_BUCKET_BYTES):
+            limit[dtype] = bucket_bytes
+            del open_bucket[dtype]
+    return sizes
+
+
+def _ready_order(ctx: _Context, trainable: list[Entry]) -> list[tuple[str, int]]:
+    """``(dtype, bytes)`` of each trainable parameter's gradient in the order backward produces them (the
+    traced gradients' allocation events; the reverse of the parameter order without a trace)."""
+    born: dict[str, int] = {}
+    for e in ctx.ledger.entries:
+        if e.category == Category.GRADIENTS and e.role == "grad" and e.alloc_event is not None:
+            p = ctx.param_of(e)
+            if p is not None:
+                born.setdefault(p.name, e.alloc_event)
+    order = sorted(trainable, key=lambda p: -ctx.param_order.get(p.name, 0))
+    if all(p.name in born for p in trainable):
+        order = sorted(trainable, key=lambda p: born[p.name])
+    return [(p.dtype, p.nbytes) for p in order]

@@ -8,15 +8,16 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
 - pre-forward of unit ``u``: all-gather into a flat buffer ``F_u`` (``S_u`` bytes: every parameter's
   padded shard times ``N``), copied out into the unsharded parameters ``P_u`` (``S_u`` again). In
   forward ``F_u`` is kept until the next unit's copy-out (``AllGatherState``), the last one until the
-  end of forward;
+  root's post-forward (when the model returns: a loss computed outside it runs after);
 - post-forward: ``P_u`` freed when resharding after forward (stage 3 / FULL_SHARD);
 - pre-backward (two events): gather again (unless prefetched) and copy out, freeing ``F_u`` at once;
   then prefetch the next ``backward_prefetch`` units in backward order (their ``F`` live until their
   own pre-backward's copy-out);
 - post-backward: ``P_u`` freed (reshard), the previous unit's reduce-scatter input freed (FSDP2 keeps
   one in flight), the new input ``R_u`` (``G_u``: padded gradients times ``N``) allocated and the
-  gradients copied in; then the unsharded gradients are freed and the sharded output (``G_u / N``,
-  the rank's gradients until ``zero_grad``) allocated; ``R_u`` lives until the next post-backward or
+  gradients copied in; then the unsharded gradients are freed (all but the unit's last, which a loop
+  variable holds until the hook returns) and the sharded output (``G_u / N``, the rank's gradients
+  until ``zero_grad``) allocated; ``R_u`` lives until the next post-backward or
   the end of backward. With ``reduce_scatter_copy`` (gloo), the reduce-scatter works on a full-size
   copy of its input for the duration of the call.
 """
@@ -26,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from trainledger.ledger import Category, Entry, Event, Evidence
+from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Evidence
 from trainledger.shard._partition import shard_rows
+from trainledger.shard._units import unit_of
 from trainledger.units import dtype_bytes
 
 if TYPE_CHECKING:
@@ -46,8 +48,6 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
     ``base`` holds the rank's entries other than gradients, gathered parameters and buffers (sharded
     weights, optimizer state, activations…), on the original clock.
     """
-    from trainledger.shard.transform import unit_of
-
     led, plan, cfg = ctx.ledger, ctx.plan, ctx.config
     n = plan.shard_size
     groups = ctx.unit_params()
@@ -95,7 +95,7 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
         pres = sorted((h for h in hooks if h.kind != "post_backward"), key=lambda h: len(h.unit))
         for h in (*posts, *pres):
             at[(h.kind, h.unit)] = len(events)
-            label = h.unit or "(root)"  # as the tracer names the root module
+            label = h.unit or ROOT_SCOPE  # as the tracer names the root module
             if h.kind == "post_backward":
                 events.append(Event(len(events), "backward", "fsdp.reduce_scatter_copy_in", label))
                 events.append(Event(len(events), "backward", "fsdp.reduce_scatter", label))
@@ -109,7 +109,11 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             events.append(replace(led.events[i], index=len(events)))
     new_of[num_old] = len(events)
     total = len(events)
-    end_forward = gap_start[next((i for i, ph in enumerate(phases_old) if ph != "forward"), num_old)]
+    # the root's post-forward (when the model returns, before a loss computed outside it) frees the last
+    # unit's flat buffer
+    root_fwd = spans.get(("", "forward"))
+    first_after = next((i for i, ph in enumerate(phases_old) if ph != "forward"), num_old)
+    end_forward = gap_start[root_fwd[1] + 1 if root_fwd else first_after]
     end_backward = max([gap_start[min(last_bwd + 1, num_old)]] + [at[k] + 2 for k in at if k[0] == "post_backward"])
 
     def remap(e: Entry) -> Entry:
@@ -181,9 +185,9 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             copy = f"reduce-scatter copy {label}"
             buf(copy, "reduce_scatter_copy", comm, gdtype, g_numel[u] * gsize, c + 1, c + 2)
     # --- gradients: unsharded until their unit's reduce-scatter, then the rank's shard ---
-    for e in ctx.ledger.entries:
-        if e.category != Category.GRADIENTS:
-            continue
+    grads = [e for e in ctx.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]
+    kept = _kept_to_the_end(ctx, grads)
+    for e in grads:
         p = ctx.param_of(e)
         like = p if p is not None else e
         unit = unit_of(like.name, ctx.units)
@@ -193,7 +197,12 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
             out.append(r)
             continue
         rs = post + 1
-        full = replace(r, free_event=max(r.alloc_event or 0, min(rs, total if r.free_event is None else r.free_event)))
+        # the copied-in gradients are dropped before the reduce-scatter, except the one ``foreach_reduce``'s
+        # loop variable still holds: it goes when the hook returns, after the reduce-scatter
+        drop = rs + 1 if e.name in kept else rs
+        full = replace(
+            r, free_event=max(r.alloc_event or 0, min(drop, total if r.free_event is None else r.free_event))
+        )
         shard_numel = ctx.held(e, like, srank)
         size = e.nbytes // e.numel if e.numel else gsize
         part = replace(
@@ -213,3 +222,22 @@ def order_of(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[
     """Units in the order they start in ``phase`` (the root first: its hooks run before its children's)."""
     units = [(span[0], unit != "", unit) for (unit, ph), span in spans.items() if ph == phase]
     return [u for _, _, u in sorted(units)]
+
+
+def _kept_to_the_end(ctx: _Context, grads: list[Entry]) -> set[str]:
+    """The gradient of each unit that lives until its post-backward hook returns.
+
+    FSDP2's ``foreach_reduce`` walks the unit's gradients in a ``for`` loop before the copy-in; the loop
+    variable keeps the last one (in the unit's parameter order, the model's ``named_parameters()``)
+    alive after ``unsharded_grads.clear()``, through the reduce-scatter, until the function returns.
+    """
+    last: dict[str, tuple[int, str]] = {}
+    for e in grads:
+        p = ctx.param_of(e)
+        if p is None or p.category != Category.WEIGHTS:
+            continue
+        unit = unit_of(p.name, ctx.units)
+        rank = ctx.param_order.get(p.name, -1)
+        if unit not in last or rank > last[unit][0]:
+            last[unit] = (rank, e.name)
+    return {name for _, name in last.values()}

@@ -1,4 +1,5 @@
-"""Watching a rank's step from the inside: the collectives it issues, and FSDP2's storages for the tracer.
+"""Watching a rank's step from the inside: the collectives it issues, FSDP2's storages for the tracer, and
+collectives settled so that a traced step's frees happen where the step drops its buffers.
 
 Both are torch-side helpers of :mod:`trainledger.shard.launch`.
 """
@@ -64,29 +65,17 @@ class CollectiveCounter(TorchDispatchMode):
             c[1] += 1
         return out
 
-    @contextlib.contextmanager
-    def waits(self) -> Iterator[None]:
+    def waits(self) -> contextlib.AbstractContextManager[None]:
         """Also count time spent in ``Work.wait()`` (asynchronous collectives finish there)."""
-        from torch._C._distributed_c10d import Work
 
-        original = Work.wait
-
-        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        def counted(wait: Any) -> Any:
             start = time.perf_counter()
             try:
-                return original(work, *args, **kwargs)
+                return wait()
             finally:
                 self.wait_seconds += time.perf_counter() - start
 
-        try:
-            Work.wait = wait  # type: ignore[method-assign]
-        except (TypeError, AttributeError):  # a build whose Work cannot be patched: dispatch time only
-            yield
-            return
-        try:
-            yield
-        finally:
-            Work.wait = original  # type: ignore[method-assign]
+        return _around_work_wait(counted)
 
     def collectives(self) -> list[Collective]:
         return [
@@ -155,3 +144,51 @@ def fsdp_storage_view(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = original_alloc, original_free
+
+
+# --- collectives settled for tracing ------------------------------------------------------------------
+
+SETTLE_SECONDS = 0.002
+"""How long a rank pauses after each collective completes while it is traced (see ``settled_collectives``)."""
+
+
+def settled_collectives(seconds: float = SETTLE_SECONDS) -> contextlib.AbstractContextManager[None]:
+    """Pause briefly after each ``Work.wait()`` so the backend's worker threads let go of the collective.
+
+    gloo runs each collective on a worker thread that holds the work — and so the tensors it was given
+    (an all-gather's output views, the copy a reduce-scatter makes of its input) — until it finishes its
+    loop, a moment after the caller's ``wait()`` has returned. When the step drops its own references in
+    that moment, the worker frees the buffer later, at whatever event the step has reached by then: the
+    traced timeline varies between runs by a buffer. Giving the worker that moment makes every free
+    happen where the step drops the buffer, as FSDP intends it; the tracer counts the frees that still
+    happen on another thread (``Ledger.meta["frees_on_other_threads"]``).
+    """
+
+    def settled(wait: Any) -> Any:
+        try:
+            return wait()
+        finally:
+            time.sleep(seconds)
+
+    return _around_work_wait(settled)
+
+
+@contextlib.contextmanager
+def _around_work_wait(around: Any) -> Iterator[None]:
+    """Run every ``Work.wait()`` as ``around(wait)`` while active (``wait()`` calls the original)."""
+    from torch._C._distributed_c10d import Work
+
+    original = Work.wait
+
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        return around(lambda: original(work, *args, **kwargs))
+
+    try:
+        Work.wait = wait  # type: ignore[method-assign]
+    except (TypeError, AttributeError):  # a build whose Work cannot be patched: wait as it comes
+        yield
+        return
+    try:
+        yield
+    finally:
+        Work.wait = original  # type: ignore[method-assign]

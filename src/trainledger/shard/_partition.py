@@ -1,9 +1,14 @@
-"""How an array is divided among ranks: padded shards and whole-parameter assignment. Pure, no torch."""
+"""How an array is divided among ranks: padded shards, whole-parameter assignment, an entry resized to its
+shard. Pure, no torch."""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import replace
+
+from trainledger.ledger import Entry
+from trainledger.units import dtype_bytes
 
 
 def shard_rows(numel: int, shape: tuple[int, ...], num_shards: int, rank: int, partition: str) -> tuple[int, int]:
@@ -74,3 +79,10 @@ def greedy_owners(sizes: Sequence[int], num_ranks: int) -> list[int]:
         owners[i] = rank
         heapq.heappush(loaded, (load + sizes[i], rank))
     return owners
+
+
+def resized(e: Entry, numel: int, role_suffix: str = "") -> Entry:
+    """``e`` holding ``numel`` elements of its dtype (its shape dropped when that changes its size)."""
+    size = e.nbytes // e.numel if e.numel else dtype_bytes(e.dtype)
+    shape = () if numel != e.numel else e.shape
+    return replace(e, numel=numel, nbytes=numel * size, shape=shape, role=e.role + role_suffix)

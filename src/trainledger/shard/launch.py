@@ -51,13 +51,18 @@ from torch import nn
 from trainledger.checks import instance_of, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
-from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view
+from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view, settled_collectives
 from trainledger.shard.comm import Collective
 from trainledger.shard.transform import ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
 """gloo ranks allowed per CPU core: CPU processes can share cores (slowly); more than this is refused."""
+WARMUP_STEPS = 2
+"""Steps a rank runs before its timed step: DDP rebuilds its buckets at the second."""
+STEPS_BEFORE_TRACE = WARMUP_STEPS + 1
+"""Steps every rank, and the single-process reference, runs before ``trace`` (which adds its own warm-up;
+a rank that traces again, see ``_trace_settled``, is a step or two further on)."""
 
 
 class RankError(InputError):
@@ -203,13 +208,18 @@ def run(config: RunConfig) -> RunResult:
         [r["traced_peak_bytes"] for r in result.to_dict()["ranks"]]
     """
     from trainledger.trace import trace
-    from trainledger.workload import load_workload
+    from trainledger.workload import load_workload, run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
-    reference = trace(load_workload(config.model))
+    # the reference step is taken at the ranks' point in training: what a data-dependent model (MoE
+    # routing) allocates depends on its weights
+    single = load_workload(config.model)
+    for _ in range(STEPS_BEFORE_TRACE):
+        run_step(single)
+    reference = trace(single)
     workload = load_workload(config.model)
     units = _units_of(workload.model)
     prediction = shard(
@@ -466,7 +476,6 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
 
     Usable under ``torchrun`` too: initialise the process group, then call it on every rank.
     """
-    from trainledger.trace import trace
     from trainledger.workload import load_workload, run_step
 
     rank = dist.get_rank()
@@ -479,7 +488,7 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     stage("wrapping it for sharding")
     _wrap(workload, cfg["strategy"])
     stage("the warm-up steps")
-    for _ in range(2):  # DDP rebuilds its buckets at the second step: both before the timed one
+    for _ in range(WARMUP_STEPS):
         run_step(workload)
     stage("the timed step")
     counter = CollectiveCounter(dist.get_world_size())
@@ -491,8 +500,7 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     ledger = None
     if cfg["trace"]:
         stage("the traced step")
-        with fsdp_storage_view(workload.model):
-            ledger = trace(workload)
+        ledger = _trace_settled(workload, cfg["backend"])
         ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "rank": rank})
     return {
         "rank": rank,
@@ -501,6 +509,26 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
         "collectives": [_collective_dict(c) for c in counter.collectives()],
         "ledger": ledger.to_dict() if ledger is not None else None,
     }
+
+
+TRACE_ATTEMPTS = 3
+"""Traces of a rank's step tried until no rank had a buffer freed by a communication thread."""
+
+
+def _trace_settled(workload: Any, backend: str) -> Ledger:
+    """Trace the step with FSDP2's storages in view and collectives settled; trace again, every rank
+    together, while some rank's trace still had a buffer freed by another thread (its note says so)."""
+    from trainledger.trace import trace
+
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    for _ in range(TRACE_ATTEMPTS):
+        with fsdp_storage_view(workload.model), settled_collectives():
+            ledger = trace(workload)
+        unsettled = torch.tensor([ledger.meta.get("frees_on_other_threads", 0)], device=device)
+        dist.all_reduce(unsettled, op=dist.ReduceOp.MAX)
+        if not unsettled.item():
+            break
+    return ledger
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -28,8 +28,9 @@ Engines (the padding and buffers differ; the arithmetic of the paper is the same
   ``ceil(d0 / N)`` rows, padded; one all-gather and one reduce-scatter per unit).
 
 Known limitations: allocator rounding is not modelled; optimizer-phase workspace is scaled by the
-fraction of optimizer state a rank keeps (an approximation); DeepSpeed's parameter persistence
-threshold and live-parameter limit (stage 3) are not modelled.
+fraction of optimizer state a rank keeps, except under FSDP2, whose per-shard temporaries are sized
+exactly (see ``_optimizer.optimizer_workspace``); DeepSpeed's parameter persistence threshold and
+live-parameter limit (stage 3) are not modelled.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -46,7 +47,9 @@ from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._fsdp import fsdp_rank_timeline, order_of
-from trainledger.shard._partition import greedy_owners, rank_boundaries, shard_rows
+from trainledger.shard._optimizer import optimizer_workspace, resequence_optimizer
+from trainledger.shard._partition import greedy_owners, rank_boundaries, resized, shard_rows
+from trainledger.shard._units import in_model, infer_units, unit_of
 from trainledger.shard.comm import Collective
 
 if TYPE_CHECKING:
@@ -186,46 +189,6 @@ def plan_for(config: ShardConfig) -> _Plan:
         n // shard,
         f"FSDP {s.upper()}" + (" (FSDP2 fully_shard)" if torch else ""),
     )
-
-
-# --- per-rank sizes ----------------------------------------------------------------------------------
-
-
-def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
-    """The repeated blocks of a model, from its parameter names: ``blocks.0``, ``blocks.1``… — the
-    first dotted prefix followed by at least two distinct integers. These become the FSDP units
-    (one per transformer block, the root taking the rest), as ``trainledger shard --run`` wraps them.
-
-    Example:
-        >>> infer_units(["wte.weight", "h.0.attn.w", "h.0.mlp.w", "h.1.attn.w", "ln_f.weight"])
-        ('h.0', 'h.1')
-    """
-    found: dict[str, list[int]] = {}
-    order: list[str] = []
-    for name in param_names:
-        parts = name.split(".")
-        for i in range(1, len(parts)):
-            if parts[i].isdigit():
-                prefix = ".".join(parts[:i])
-                if prefix not in found:
-                    found[prefix] = []
-                    order.append(prefix)
-                if int(parts[i]) not in found[prefix]:
-                    found[prefix].append(int(parts[i]))
-                break
-    for prefix in order:  # the first (outermost) repeated container wins
-        if len(found[prefix]) >= 2:
-            return tuple(f"{prefix}.{i}" for i in found[prefix])
-    return ()
-
-
-def unit_of(name: str, units: Sequence[str]) -> str:
-    """The unit holding a parameter or module path: the longest unit prefix, else the root ``""``."""
-    best = ""
-    for u in units:
-        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
-            best = u
-    return best
 
 
 # --- the transform -------------------------------------------------------------------------------------
@@ -386,10 +349,22 @@ class _Context:
         for p in self.params:
             for n in (p.name, *p.aliases):
                 self.param_by_name.setdefault(n, p)
-        trainable = [p for p in self.params if p.category == Category.WEIGHTS]
+        # the model's parameter order (``named_parameters()``), which the engines follow; a traced ledger
+        # records it, others list their parameters in that order
+        order = ledger.meta.get("parameter_order") or [p.name for p in self.params]
+        self.param_order: dict[str, int] = {name: i for i, name in enumerate(order)}
+        trainable = sorted(
+            (p for p in self.params if p.category == Category.WEIGHTS), key=lambda p: self.param_order.get(p.name, -1)
+        )
         self.owner = dict(
             zip((p.name for p in trainable), greedy_owners([p.numel for p in trainable], plan.shard_size), strict=True)
         )
+        # each rank's optimizer steps its parameters in the order they were given to it: largest first
+        by_size = sorted(trainable, key=lambda p: -p.numel)
+        # (only ranks that own a parameter are listed: a world of a trillion ranks has few owners)
+        self.rank_order: dict[int, list[str]] = {}
+        for p in by_size:
+            self.rank_order.setdefault(self.owner[p.name], []).append(p.name)
         self.spans = self._spans() if self.traced else {}
         phases = [ev.phase for ev in ledger.events]
         self.last_backward = max((i for i, ph in enumerate(phases) if ph == "backward"), default=None)
@@ -407,14 +382,31 @@ class _Context:
         return None
 
     def _spans(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """``(unit, phase) -> (first event, last event)`` of each unit's ops; the root spans the phase."""
+        """``(unit, phase) -> (first event, last event)`` of each unit's ops; the root spans the model's ops.
+
+        Ops outside the model — a loss computed by ``loss_fn`` (module ``""`` in forward, ``(loss)`` in
+        backward) and the seed of backward (``ones_like``, module ``""``) — belong to no unit: the root's
+        forward hook runs when the model returns, before them, and its pre-backward hook when the gradient
+        reaches the model's output, after them. A ledger whose ops name no module at all keeps the root
+        spanning each phase.
+        """
         spans: dict[tuple[str, str], tuple[int, int]] = {}
+        whole: dict[str, tuple[int, int]] = {}
+
+        def widen(table: dict[Any, tuple[int, int]], key: Any, index: int) -> None:
+            lo, hi = table.get(key, (index, index))
+            table[key] = (min(lo, index), max(hi, index))
+
+        reference = any(e.role == "reference" for e in self.ledger.entries)
         for ev in self.ledger.events:
             if ev.phase not in ("forward", "backward"):
                 continue
-            for key in {(unit_of(ev.module, self.units), ev.phase), ("", ev.phase)}:
-                lo, hi = spans.get(key, (ev.index, ev.index))
-                spans[key] = (min(lo, ev.index), max(hi, ev.index))
+            widen(whole, ev.phase, ev.index)
+            if in_model(ev.module, reference=reference):
+                widen(spans, (unit_of(ev.module, self.units), ev.phase), ev.index)
+                widen(spans, ("", ev.phase), ev.index)
+        for phase, span in whole.items():
+            spans.setdefault(("", phase), span)
         return spans
 
     def unit_params(self) -> dict[str, list[Entry]]:
@@ -457,7 +449,9 @@ class _Context:
 
     def held(self, e: Entry, like: Entry, rank: int, *, real: bool = False) -> int:
         """Elements of ``e`` held on ``rank``, sharded the way its parameter ``like`` is."""
-        if e.numel != like.numel:  # scalar step counters and other non-full-length state: kept whole
+        # state that is not the parameter's length is kept whole: step counters, and a 0-dim counter of a
+        # one-element parameter (its rank may hold no real row of the parameter, but holds the counter)
+        if e.numel != like.numel or (e.numel == 1 and not e.shape and like.shape):
             return e.numel
         held, actual = shard_rows(like.numel, like.shape, self.plan.shard_size, rank, self.plan.partition)
         return actual if real else held
@@ -480,18 +474,24 @@ class _Context:
                     out.append(e)
                 else:  # FSDP2's optimizer sees the unpadded local shard; DeepSpeed's partitions are padded
                     like = p if p is not None else e
-                    out.append(_resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
+                    out.append(resized(e, self.held(e, like, srank, real=plan.partition == "dim0")))
                 opt_kept += out[-1].nbytes
             elif cat == Category.GRADIENTS and plan.shard_grads:
-                if not fsdp_timeline:  # the FSDP timeline places gradients itself
+                if not fsdp_timeline:
                     out.extend(self._sharded_grad(e, srank))
+                elif e.role != "grad":  # the optimizer's own (a master copy's), made from the rank's shard
+                    like = self.param_of(e) or e
+                    out.append(resized(e, self.held(e, like, srank, real=True)))
+                # the model's gradients: the FSDP timeline places them
             elif plan.shard_params and (cat == Category.WEIGHTS or _shardable_frozen(e)):
-                out.append(_resized(e, self.held(e, e, srank), role_suffix=""))
+                out.append(resized(e, self.held(e, e, srank), role_suffix=""))
             else:
                 out.append(e)
         if opt_full and opt_kept != opt_full and self.traced:
-            out = self._scale_optimizer_workspace(out, opt_kept, opt_full)
+            out = optimizer_workspace(self, out, opt_kept, opt_full, srank)
         events = self.ledger.events
+        if plan.partition == "greedy" and plan.shard_optimizer and self.traced:
+            events, out = resequence_optimizer(events, out, self.rank_order.get(srank, []))
         if fsdp_timeline:
             events, out = fsdp_rank_timeline(self, srank, out)
         else:
@@ -511,7 +511,7 @@ class _Context:
         like = p if p is not None else e
         shard_numel = self.held(e, like, srank)
         if not self.traced:
-            return [_resized(e, shard_numel)]
+            return [resized(e, shard_numel)]
         if self.plan.buffers == "fsdp":
             # FSDP2: the unsharded gradient lives until its unit's post-backward, which copies it into the
             # reduce-scatter input; the sharded output then lives until zero_grad.
@@ -524,20 +524,9 @@ class _Context:
         done = max(start, min(done, e.free_event if e.free_event is not None else self.ledger.num_events))
         full = replace(e, free_event=done)
         part = replace(
-            _resized(e, shard_numel), name=f"{e.name} (shard)", alloc_event=done, role=e.role, last_use_event=None
+            resized(e, shard_numel), name=f"{e.name} (shard)", alloc_event=done, role=e.role, last_use_event=None
         )
         return [full, part]
-
-    def _scale_optimizer_workspace(self, out: list[Entry], kept: int, full: int) -> list[Entry]:
-        """Temporaries of the optimizer step (foreach buffers) scale with the state a rank updates."""
-        phases = [ev.phase for ev in self.ledger.events]
-        scaled = []
-        for e in out:
-            if e.category == Category.WORKSPACE and e.alloc_event is not None and phases[e.alloc_event] == "optimizer":
-                nbytes = e.nbytes * kept // full
-                e = replace(e, nbytes=nbytes, numel=e.numel * kept // full)
-            scaled.append(e)
-        return scaled
 
     def _grad_dtype_bytes(self) -> tuple[str, int]:
         grads = [e for e in self.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]
@@ -623,12 +612,6 @@ class _Context:
 
     def collectives(self) -> list[Collective]:
         return step_collectives(self)
-
-
-def _resized(e: Entry, numel: int, role_suffix: str = "") -> Entry:
-    size = e.nbytes // e.numel if e.numel else dtype_bytes(e.dtype)
-    shape = () if numel != e.numel else e.shape
-    return replace(e, numel=numel, nbytes=numel * size, shape=shape, role=e.role + role_suffix)
 
 
 def _buffer(name: str, role: str, dtype: str, numel: int, size: int, at: int | None = None) -> Entry:

@@ -18,12 +18,12 @@ import torch
 
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state
-from trainledger.ledger import Category, Evidence, Ledger
+from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._report import MeasuredStep, TraceReport
-from trainledger.trace._scopes import LOSS_SCOPE, ModuleScopes, label_graph
+from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
 
@@ -135,7 +135,7 @@ def _trace(
     with _user_errors("the warm-up step"):
         run_step(workload)
 
-    roots = [("", model)] + ([("reference", reference)] if reference is not None else [])
+    roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots)
     tracer = StepTracer(scopes, fake=fake, progress=progress)
     for t, owner in iter_state(model, optimizer, reference=reference):
@@ -175,16 +175,27 @@ def _trace(
         tuple(events),
         evidence=Evidence.TRACED,
         device=devices.most_common(1)[0][0] if devices else "cpu",
-        notes=(LIMITATIONS,) + ((_resized_note(resized),) if resized else ()),
+        notes=(LIMITATIONS, *_elsewhere_note(tracer.frees_elsewhere)) + ((_resized_note(resized),) if resized else ()),
         calls=tracer.module_calls(),
         meta={
             "model": workload.name,
             "events_per_phase": dict(Counter(ev.phase for ev in events)),
             "traced_step_seconds": seconds,
             "optimizer": type(optimizer).__name__,
+            "parameter_order": [name for name, _ in model.named_parameters()],
+            **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
         },
     )
     return ledger, tracer.kernel_calls
+
+
+def _elsewhere_note(names: list[str]) -> tuple[str, ...]:
+    if not names:
+        return ()
+    return (
+        f"{len(names)} storage(s) were freed by another thread (a collective library's worker letting go "
+        f"after the step had dropped them), so their free events can vary between runs: {', '.join(names[:5])}",
+    )
 
 
 def _mark_optimizer_outputs(tracer: StepTracer, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

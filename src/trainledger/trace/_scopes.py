@@ -22,13 +22,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from trainledger.ledger import ModuleCall
+from trainledger.ledger import ROOT_SCOPE, ModuleCall
 from trainledger.workload import iter_tensors
 
 LABEL = "trainledger.module"
 CALL_LABEL = "trainledger.call"
-LOSS_SCOPE = "(loss)"
-ROOT = "(root)"
+ROOT = ROOT_SCOPE
 NO_CALL = -1
 
 

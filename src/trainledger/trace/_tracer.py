@@ -16,6 +16,7 @@ Known limitations:
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ class StepTracer(TorchDispatchMode):
         self._accumulations: list[_Accumulation] = []
         self._active = True
         self._progress = progress
+        self._thread = threading.get_ident()
+        self.frees_elsewhere: list[str] = []
+        """Storages whose last reference was dropped by another thread (a collective library's worker):
+        their free event is when that thread let go, which can vary from run to run."""
 
     def _clock(self) -> int:
         return len(self.ops)
@@ -168,6 +173,8 @@ class StepTracer(TorchDispatchMode):
         key, rec = found
         # live through the last event that ran; no longer live from the next one
         rec.free_event = len(self.ops)
+        if threading.get_ident() != self._thread:
+            self.frees_elsewhere.append(rec.name)
         if self.storages.get(key) is rec:
             del self.storages[key]
             self._refs.pop(key, None)
@@ -211,6 +218,8 @@ class StepTracer(TorchDispatchMode):
             module, call = self.scopes.current, self.scopes.current_call
         else:
             module, call = self.scopes.backward_scope()
+            if phase == "optimizer":  # the parameter this op updates, when it is one
+                module = self._updated_parameter(args, kwargs)
         self.ops.append((phase, op, module))
         self.event_calls.append(call)
         if op in PROBED_OPS:
@@ -231,11 +240,18 @@ class StepTracer(TorchDispatchMode):
                 if rec is not None:
                     self.writes.append((index, rec))
         out = func(*args, **kwargs)
-        for t in _tensors(out):
-            if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
+        outputs = _tensors(out)
+        owners = self._output_owners(op, args, module, len(outputs)) if phase == "optimizer" else None
+        for j, t in enumerate(outputs):
+            if isinstance(t, _NO_STORAGE):
+                # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
+                # new when the op made it (an FSDP rank's optimizer temporaries)
+                t = t._local_tensor  # type: ignore[attr-defined]
+            if t.layout is _STRIDED:
                 key = t.untyped_storage()._cdata
                 if key not in storages:
-                    self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=module)
+                    owner = module if owners is None else owners[j]
+                    self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=owner)
         if self.fake and op in REAL_STORAGE_OPS:
             kernel = KernelCall.of(func, args, kwargs)
             if kernel is not None:
@@ -254,6 +270,29 @@ class StepTracer(TorchDispatchMode):
         if self._progress is not None and index % 1000 == 0:
             self._progress(phase, index)
         return out
+
+    # --- the optimizer step, parameter by parameter ---------------------------------------------------
+
+    def _parameter(self, t: torch.Tensor) -> str:
+        """The parameter a tensor belongs to: itself, its gradient, its optimizer state or master copy, or
+        a temporary the optimizer made for it; ``""`` for anything else."""
+        t = local_tensor(t)
+        rec = self.storages.get(storage_key(t)) if _has_storage(t) else None
+        return "" if rec is None else _parameter_of(rec)
+
+    def _updated_parameter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op)."""
+        names = {self._parameter(t) for t in _tensors(args, kwargs)}
+        names.discard("")
+        return names.pop() if len(names) == 1 else ""
+
+    def _output_owners(self, op: str, args: tuple[Any, ...], module: str, num_outputs: int) -> list[str]:
+        """Owner of each output: the event's module, or in the optimizer step the parameter each output
+        is for (a foreach op's ``j``-th output is for its first list's ``j``-th tensor)."""
+        if self.phase != "optimizer" or not op.startswith("aten._foreach_") or not args:
+            return [module] * num_outputs
+        first = args[0] if isinstance(args[0], (list, tuple)) else ()
+        return [self._parameter(first[j]) if j < len(first) else "" for j in range(num_outputs)]
 
     # --- saved tensors -------------------------------------------------------------------------------
 
@@ -342,6 +381,19 @@ class StepTracer(TorchDispatchMode):
                     rec.saved = out.saved
                     out.merged_into = rec
                     break
+
+
+def _parameter_of(r: _Storage) -> str:
+    """The parameter a storage belongs to, by what it was declared or marked as (see ``iter_state``
+    for the names: ``<param>``, ``<param>.grad``, ``optimizer.<param>.<slot>``, ``.master`` copies), or
+    the owner of a temporary the optimizer step made for one parameter."""
+    if r.category in (Category.WEIGHTS, Category.FROZEN):
+        return r.name
+    if r.category == Category.GRADIENTS:
+        return r.name.removesuffix(".grad").removesuffix(".master")
+    if r.category == Category.OPTIMIZER:
+        return r.name.removeprefix("optimizer.").rpartition(".")[0].removesuffix(".master")
+    return r.owner if r.phase == "optimizer" and r.category is None else ""
 
 
 def _order(r: _Storage) -> tuple[int, str]:

@@ -1,0 +1,61 @@
+"""Which unit (FSDP wrap, DeepSpeed stage-3 module) a parameter or an op belongs to. Pure, no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from trainledger.ledger import REFERENCE_SCOPE, ROOT_SCOPE
+
+
+def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
+    """The repeated blocks of a model, from its parameter names: ``blocks.0``, ``blocks.1``… — the
+    first dotted prefix followed by at least two distinct integers. These become the FSDP units
+    (one per transformer block, the root taking the rest), as ``trainledger shard --run`` wraps them.
+
+    Example:
+        >>> infer_units(["wte.weight", "h.0.attn.w", "h.0.mlp.w", "h.1.attn.w", "ln_f.weight"])
+        ('h.0', 'h.1')
+    """
+    found: dict[str, list[int]] = {}
+    order: list[str] = []
+    for name in param_names:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            if parts[i].isdigit():
+                prefix = ".".join(parts[:i])
+                if prefix not in found:
+                    found[prefix] = []
+                    order.append(prefix)
+                if int(parts[i]) not in found[prefix]:
+                    found[prefix].append(int(parts[i]))
+                break
+    for prefix in order:  # the first (outermost) repeated container wins
+        if len(found[prefix]) >= 2:
+            return tuple(f"{prefix}.{i}" for i in found[prefix])
+    return ()
+
+
+def unit_of(name: str, units: Sequence[str]) -> str:
+    """The unit holding a parameter or module path: the longest unit prefix, else the root ``""``."""
+    best = ""
+    for u in units:
+        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def in_model(module: str, *, reference: bool = False) -> bool:
+    """Whether an event's module (as the tracer names it) is part of the model: ``(root)`` or a submodule
+    path. ``""`` is outside every module (a ``loss_fn``'s forward ops, the seed of backward), ``(loss)``
+    the backward of a loss computed outside the model, and with ``reference`` (the step has a frozen
+    reference model) ``reference…`` that model's modules, which the loss calls.
+
+    Example:
+        >>> [in_model(m) for m in ("(root)", "blocks.0.attn", "", "(loss)")]
+        [True, True, False, False]
+        >>> in_model("reference.0", reference=True)
+        False
+    """
+    if reference and (module == REFERENCE_SCOPE or module.startswith(REFERENCE_SCOPE + ".")):
+        return False
+    return module == ROOT_SCOPE or (module != "" and not module.startswith("("))
