@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, 
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import ModuleScopes, label_graph
+from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
 
@@ -35,6 +36,7 @@ __all__ = [
     "TraceReport",
     "kernel_internal_bytes",
     "trace",
+    "trace_stacked",
 ]
 
 LIMITATIONS = (
@@ -104,6 +106,14 @@ def trace(
         raise InputError(f"trace(fake=...) is {fake!r}; give True or False")
     if progress is not None and not callable(progress):
         raise InputError(f"trace(progress=...) is {progress!r}; give None or a function progress(phase, num_events)")
+    ledger, kernels = _trace_step(workload, fake=fake, progress=progress)
+    return _with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+
+
+def _trace_step(
+    workload: Workload, *, fake: bool, progress: ProgressFn | None
+) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
+    """The traced ledger without kernel-internal buffers, and the kernel calls that may hold some."""
     if fake:
         with fake_workload(workload) as (twin, mode), mode:
             try:
@@ -118,7 +128,83 @@ def trace(
         ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True})
     else:
         ledger, kernels = _trace(workload, progress)
+    return ledger, kernels
+
+
+def trace_stacked(
+    build: Callable[[int], Workload],
+    num_blocks: int,
+    *,
+    fake: bool = True,
+    kernel_workspace: bool = True,
+    depths: Sequence[int] = (3, 4),
+    progress: ProgressFn | None = None,
+) -> Ledger:
+    """Trace a model of ``num_blocks`` identical blocks by tracing a few of them and extending the ledger.
+
+    The step is traced at each of ``depths`` blocks (few blocks trace quickly); the ledger of the first
+    depth is extended to the others and must equal their traces entry for entry, event for event and call
+    for call; then it is extended to ``num_blocks`` (the blocks' events, entries and module calls repeated,
+    renumbered and shifted on the event clock). Where the blocks do not repeat exactly, or ``num_blocks``
+    is no deeper than the traces, the model is traced whole instead. Either way the evidence is ``traced``,
+    the first note says which was done, and ``meta["blocks"]`` holds ``total``, ``traced`` (the depths
+    traced) and ``extended``.
+
+    Arguments:
+        build: ``build(d)`` returns the workload with ``d`` blocks: a Hugging Face config with
+            ``num_hidden_layers=d``, any model whose depth is a constructor argument.
+        num_blocks: the depth to report.
+        fake, kernel_workspace, progress: as for :func:`trace`.
+        depths: the depths traced, each at least 3; the first is extended, the others check it.
+
+    Example:
+        >>> from trainledger.examples import gpt_tiny
+        >>> led = trace_stacked(lambda d: gpt_tiny(n_layer=d, seq_len=8, batch_size=1), 6)
+        >>> led.meta["blocks"], led.notes[0]
+        ({'total': 6, 'traced': [3, 4], 'extended': True}, 'traced 3 of 6 blocks, extended ...')
+    """
+    depths = list(depths)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise InputError(f"number of blocks {num_blocks!r} must be a whole number of at least 1")
+    if len(depths) < 2 or sorted(set(depths)) != depths or depths[0] < 3:
+        raise InputError(f"depths {depths} must be two or more increasing depths of at least 3 blocks")
+    if num_blocks <= depths[-1]:
+        return _whole_stack(
+            build, num_blocks, f"{num_blocks} blocks are no deeper than the traces", fake, kernel_workspace, progress
+        )
+    traced = {d: _trace_step(build(d), fake=fake, progress=progress) for d in depths}
+    base = traced[depths[0]]
+    try:
+        stack = find_stack({d: led.calls for d, (led, _) in traced.items()})
+        for d in depths[1:]:
+            why = first_difference(extend(*base, stack, base_depth=depths[0], depth=d), traced[d])
+            if why is not None:
+                raise NotRepeating(f"extended to {d} blocks, the ledger differs from the trace: {why}")
+        ledger, kernels = extend(*base, stack, base_depth=depths[0], depth=num_blocks)
+    except NotRepeating as exc:
+        return _whole_stack(build, num_blocks, str(exc), fake, kernel_workspace, progress)
+    note = (
+        f"traced {depths[0]} of {num_blocks} blocks, extended: the block stack ({stack.prefix}) repeated to full "
+        f"depth, exact against traces of {', '.join(map(str, depths[1:]))} blocks"
+    )
+    meta = {**ledger.meta, "blocks": {"total": num_blocks, "traced": depths, "extended": True}}
+    meta.pop("traced_step_seconds", None)  # no step of this depth ran
+    ledger = ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
     return _with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+
+
+def _whole_stack(
+    build: Callable[[int], Workload],
+    num_blocks: int,
+    why: str,
+    fake: bool,
+    kernel_workspace: bool,
+    progress: ProgressFn | None,
+) -> Ledger:
+    ledger = trace(build(num_blocks), fake=fake, kernel_workspace=kernel_workspace, progress=progress)
+    note = f"traced all {num_blocks} blocks (not extended: {why})"
+    meta = {**ledger.meta, "blocks": {"total": num_blocks, "traced": [num_blocks], "extended": False}}
+    return ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
 
 
 def _with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
