@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
+from trainledger.commands._stacked import trace_hf_stacked
 from trainledger.commands.common import (
     add_json_flag,
     add_model_flag,
@@ -50,6 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
     sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
     p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
+    p.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="with --hf-config and --fake: trace every layer, not 3 and 4 layers extended to the full depth",
+    )
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png or .svg)")
     p.add_argument("--export-memory-viz", metavar="FILE", help="write a PyTorch memory snapshot (.pickle)")
@@ -62,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def workload_for(args: argparse.Namespace) -> Workload:
+def workload_for(args: argparse.Namespace, *, config: dict[str, Any] | None = None) -> Workload:
     if args.model and args.hf_config:
         raise InputError("give either --model or --hf-config, not both")
     given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
@@ -72,7 +79,7 @@ def workload_for(args: argparse.Namespace) -> Workload:
         step = {**STEP_DEFAULTS, **given}
         check_lora_flags(argparse.Namespace(**step))
         return workload_from_hf_config(
-            args.hf_config,
+            args.hf_config if config is None else config,
             micro_batch=step["micro_batch"],
             seq_len=step["seq_len"],
             recipe=step["dtype"],
@@ -101,13 +108,20 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--measure runs the real step, --fake a step on fake tensors: drop one of them")
     outputs = _check_outputs(args)
     strategy = parse_strategy(args.stage)
-    workload = workload_for(args)
-    num_params = sum(p.numel() for p in workload.model.parameters())
+    if args.full_depth and not (args.hf_config and args.fake):
+        raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
+    stacked = args.hf_config and args.fake and not (args.full_depth or args.model)
+    workload = None if stacked else workload_for(args)
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:
-        ledger = trace(workload, fake=args.fake, progress=progress)
+        if workload is None:
+            build_at = partial(workload_for, args)  # the same step, from the config at another depth
+            ledger, num_params = trace_hf_stacked(args.hf_config, lambda cfg: build_at(config=cfg), progress=progress)
+        else:
+            num_params = sum(p.numel() for p in workload.model.parameters())
+            ledger = trace(workload, fake=args.fake, progress=progress)
         measurement = None
-        if args.measure:
+        if args.measure and workload is not None:
             from trainledger.measure import measure
 
             measurement = measure(workload)

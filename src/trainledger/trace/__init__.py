@@ -138,6 +138,7 @@ def trace_stacked(
     fake: bool = True,
     kernel_workspace: bool = True,
     depths: Sequence[int] = (3, 4),
+    differs: str | None = None,
     progress: ProgressFn | None = None,
 ) -> Ledger:
     """Trace a model of ``num_blocks`` identical blocks by tracing a few of them and extending the ledger.
@@ -156,6 +157,8 @@ def trace_stacked(
         num_blocks: the depth to report.
         fake, kernel_workspace, progress: as for :func:`trace`.
         depths: the depths traced, each at least 3; the first is extended, the others check it.
+        differs: why the blocks are known to differ (per-layer settings): then every block is traced, and
+            the note gives this reason.
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -168,6 +171,8 @@ def trace_stacked(
         raise InputError(f"number of blocks {num_blocks!r} must be a whole number of at least 1")
     if len(depths) < 2 or sorted(set(depths)) != depths or depths[0] < 3:
         raise InputError(f"depths {depths} must be two or more increasing depths of at least 3 blocks")
+    if differs is not None:
+        return _whole_stack(build, num_blocks, differs, fake, kernel_workspace, progress)
     if num_blocks <= depths[-1]:
         return _whole_stack(
             build, num_blocks, f"{num_blocks} blocks are no deeper than the traces", fake, kernel_workspace, progress

@@ -1,0 +1,57 @@
+"""A Hugging Face config traced a few blocks deep and extended to its layer count (``trace --hf-config --fake``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainledger.hf import load_hf_config
+from trainledger.ledger import Category, Ledger
+from trainledger.trace import trace_stacked
+from trainledger.workload import Workload
+
+BuildAt = Callable[[dict[str, Any]], Workload]
+"""Builds the step's workload from a config (a dict), with every other step setting fixed."""
+
+
+def _layer_key(family: str) -> str:
+    return "n_layer" if family == "gpt2" else "num_hidden_layers"
+
+
+def _uneven_layers(raw: dict[str, Any], num_layers: int) -> str | None:
+    """Why the config's layers are not all alike (per-layer settings), or ``None``."""
+    for key, value in raw.items():
+        if isinstance(value, list) and len(value) == num_layers and len({repr(v) for v in value}) > 1:
+            return f"its layers differ ({key})"
+    window_layers = raw.get("max_window_layers")
+    if raw.get("use_sliding_window") and isinstance(window_layers, int) and 0 < window_layers < num_layers:
+        return f"its first {window_layers} layers attend through a sliding window, the others do not"
+    return None
+
+
+def _at_depth(raw: dict[str, Any], key: str, num_layers: int, depth: int) -> dict[str, Any]:
+    """The config with ``depth`` layers (per-layer lists, all alike, cut to length)."""
+    out = {k: v[:depth] if isinstance(v, list) and len(v) == num_layers else v for k, v in raw.items()}
+    out[key] = depth
+    return out
+
+
+def trace_hf_stacked(path: str | Path, build_at: BuildAt, *, progress: Any = None) -> tuple[Ledger, int]:
+    """Trace the config's step on fake tensors, a few blocks deep, extended to its layer count (see
+    :func:`trainledger.trace.trace_stacked`); a config whose layers differ is traced whole.
+
+    Returns the ledger (``meta["model"]`` names the config as a full-depth build would) and the number of
+    parameters, trainable and frozen, counted from its weights since no full-depth model is built."""
+    cfg = load_hf_config(path)
+    num_layers = cfg.spec.num_layers
+    key = _layer_key(cfg.spec.family)
+    uneven = _uneven_layers(cfg.raw, num_layers)
+
+    def build(depth: int) -> Workload:
+        workload = build_at(cfg.raw if depth == num_layers else _at_depth(cfg.raw, key, num_layers, depth))
+        workload.name = workload.name.replace(f"{cfg.spec.family}:config", cfg.name, 1)
+        return workload
+
+    ledger = trace_stacked(build, num_layers, fake=True, progress=progress, differs=uneven)
+    return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
