@@ -80,6 +80,9 @@ class _TensorSpec:
     def zeros(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
 
+    def meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
 
 @dataclass(frozen=True)
 class KernelCall:
@@ -112,9 +115,24 @@ class KernelCall:
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(s.nbytes for s in _specs(self.args)) + sum(
+        """Bytes of the call's tensors, its inputs and what it returns (an embedding's backward returns a
+        gradient the size of the vocabulary's table from small inputs)."""
+        inputs = sum(s.nbytes for s in _specs(self.args)) + sum(
             s.nbytes for s in _specs(tuple(v for _, v in self.kwargs))
         )
+        return inputs + self._output_bytes()
+
+    def _output_bytes(self) -> int:
+        """What the call returns, sized by running it on the meta device (0 when it cannot run there)."""
+        args = tuple(_build(a, meta=True) for a in self.args)
+        kwargs = {k: _build(v, meta=True) for k, v in self.kwargs}
+        try:
+            with torch.set_grad_enabled(self.grad_enabled):
+                out = self.op(*args, **kwargs)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return 0
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
 
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Zero-filled tensors of the call's layout, and its other arguments as given."""
@@ -145,11 +163,11 @@ def _specs(values: tuple[Any, ...]) -> Iterator[_TensorSpec]:
             yield from _specs(v)
 
 
-def _build(x: Any) -> Any:
+def _build(x: Any, *, meta: bool = False) -> Any:
     if isinstance(x, _TensorSpec):
-        return x.zeros()
+        return x.meta() if meta else x.zeros()
     if isinstance(x, tuple):
-        return [_build(y) for y in x]
+        return [_build(y, meta=meta) for y in x]
     return x
 
 
