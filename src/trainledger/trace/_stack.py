@@ -148,24 +148,43 @@ class _Layout:
         segments: list[tuple[list[list[int]], bool | None]] = []
         i = 0
         while i < len(runs):
+            if runs[i][0] is None:
+                segments.append(([runs[i][1]], None))
+                i += 1
+            else:
+                sweep, i = self._sweep(runs, i)
+                segments.append(sweep)
+        return segments
+
+    def _sweep(
+        self, runs: list[tuple[tuple[str, int] | None, list[int]]], i: int
+    ) -> tuple[tuple[list[list[int]], bool], int]:
+        """The sweep whose first block run is ``runs[i]``, and the index of the run after it. Events outside
+        every block between two blocks' runs (a residual add in the parent's forward) join the block before."""
+        first = runs[i]
+        assert first[0] is not None
+        phase, blocks, events = first[0][0], [], []  # type: ignore[var-annotated]
+        while len(blocks) < self.d and i < len(runs):
             key, run = runs[i]
             if key is None:
-                segments.append(([run], None))
-                i += 1
-                continue
-            sweep = runs[i : i + self.d]
-            blocks = [k[1] if k is not None else None for k, _ in sweep]
-            phases = {k[0] for k, _ in sweep if k is not None}
-            ascending = blocks == list(range(self.d))
-            if len(phases) != 1 or not (ascending or blocks == list(reversed(range(self.d)))):
-                raise NotRepeating(
-                    f"the {key[0]} events from event {run[0]} on are not one run per block in block order "
-                    f"(blocks {blocks})"
-                )
-            by_block = dict(zip(blocks, (r for _, r in sweep), strict=True))
-            segments.append(([by_block[b] for b in range(self.d)], ascending))
-            i += self.d
-        return segments
+                after = runs[i + 1][0] if i + 1 < len(runs) else None
+                if after is None or after[0] != phase:
+                    break
+                events[-1] = events[-1] + run
+            elif key[0] != phase:
+                break
+            else:
+                blocks.append(key[1])
+                events.append(list(run))
+            i += 1
+        ascending = blocks == list(range(self.d))
+        if not (ascending or blocks == list(reversed(range(self.d)))):
+            raise NotRepeating(
+                f"the {phase} events from event {first[1][0]} on are not one run per block in block order "
+                f"(blocks {blocks})"
+            )
+        by_block = dict(zip(blocks, events, strict=True))
+        return ([by_block[b] for b in range(self.d)], ascending), i
 
     def source(self, t: int) -> int:
         """The base block whose events target block ``t`` repeats."""
