@@ -1,0 +1,184 @@
+"""A stack of identical blocks traced a few blocks deep and extended: equal to the full trace, or refused.
+
+The oracle is the full fake trace of the same model at the same depth: the extended ledger must equal it
+event for event (phase, op, module), entry for entry (name, category, sizes, owner, lifetime, last use),
+module call for module call, with the same notes and meta and the same peak.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from trainledger.ledger import Ledger, ModuleCall
+from trainledger.trace import trace, trace_stacked
+from trainledger.trace._stack import NotRepeating, Stack, find_stack
+from trainledger.workload import Workload
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+
+
+def assert_same_ledger(extended: Ledger, full: Ledger) -> None:
+    """Equal entry for entry and event for event; the extension's own note and meta key aside."""
+    assert extended.meta["blocks"]["extended"] is True, extended.notes[0]
+    assert extended.notes[0].startswith(f"traced 3 of {extended.meta['blocks']['total']} blocks, extended")
+    assert extended.events == full.events
+    assert extended.entries == full.entries
+    assert extended.calls == full.calls
+    assert extended.notes[1:] == full.notes
+    unstable = ("blocks", "traced_step_seconds")
+    assert {k: v for k, v in extended.meta.items() if k not in unstable} == {
+        k: v for k, v in full.meta.items() if k not in unstable
+    }
+    assert extended.peak() == full.peak()
+    assert extended.category_maxima() == full.category_maxima()
+
+
+# --- the names of a block stack ------------------------------------------------------------------------
+
+
+def test_shift_renumbers_the_stack_index_only():
+    stack = Stack("model.layers")
+    name = "optimizer.model.layers.2.block_sparse_moe.experts.3.w1.weight.exp_avg"
+    assert stack.block_of(name) == 2
+    assert stack.shift(name, 5) == "optimizer.model.layers.7.block_sparse_moe.experts.3.w1.weight.exp_avg"
+    assert stack.shift("aten.mm#12", 5) == "aten.mm#12"
+    assert stack.block_of("model.layers_norm.1") is None  # another name that merely starts alike
+
+
+def _calls(*paths: str) -> list[ModuleCall]:
+    return [ModuleCall(p, 0, None, i, i + 1) for i, p in enumerate(paths)]
+
+
+def test_find_stack_needs_one_list_numbered_by_depth():
+    at = {3: _calls("h.0", "h.1", "h.2", "h.0.experts.0", "h.0.experts.1"), 4: _calls("h.0", "h.1", "h.2", "h.3")}
+    assert find_stack(at).prefix == "h"
+    with pytest.raises(NotRepeating, match="several"):
+        find_stack(
+            {
+                3: _calls("a.0", "a.1", "a.2", "b.0", "b.1", "b.2"),
+                4: _calls(*(f"{x}.{i}" for x in "ab" for i in range(4))),
+            }
+        )
+    with pytest.raises(NotRepeating, match="no module list"):
+        find_stack({3: _calls("a.0", "a.1"), 4: _calls("a.0", "a.1")})
+
+
+# --- small models whose depth is a constructor argument ------------------------------------------------
+
+
+class Deep(nn.Module):
+    """An input layer, ``depth`` residual blocks (the odd ones different when ``alternate``), a head."""
+
+    def __init__(self, depth: int, *, alternate: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+            if not (alternate and i % 2)
+            else nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+            for i in range(depth)
+        )
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).pow(2).mean()
+
+
+def deep(depth: int, *, alternate: bool = False) -> Workload:
+    torch.manual_seed(0)
+    return Workload(Deep(depth, alternate=alternate), torch.randn(4, 8), name="deep")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fake", [True, False])
+def test_a_residual_stack_extends_to_the_full_trace(fake: bool):
+    extended = trace_stacked(deep, 9, fake=fake)
+    full = trace(deep(9), fake=fake)
+    assert_same_ledger(extended, full)
+
+
+@pytest.mark.slow
+def test_blocks_that_differ_fall_back_to_the_full_trace():
+    led = trace_stacked(lambda d: deep(d, alternate=True), 7)
+    full = trace(deep(7, alternate=True), fake=True)
+    assert led.meta["blocks"] == {"total": 7, "traced": [7], "extended": False}
+    assert led.notes[0].startswith("traced all 7 blocks (not extended: ")
+    assert led.events == full.events and led.entries == full.entries
+
+
+@pytest.mark.slow
+def test_a_shallow_model_is_traced_whole():
+    led = trace_stacked(deep, 4)
+    assert led.meta["blocks"]["extended"] is False
+    assert "no deeper than the traces" in led.notes[0]
+
+
+@pytest.mark.parametrize(("num_blocks", "depths"), [(0, (3, 4)), (True, (3, 4)), (9, (2, 3)), (9, (4,)), (9, (4, 3))])
+def test_bad_depths_are_refused(num_blocks: Any, depths: tuple[int, ...]):
+    from trainledger.errors import InputError
+
+    with pytest.raises(InputError):
+        trace_stacked(deep, num_blocks, depths=depths)
+
+
+def test_a_kernel_call_is_sized_by_what_it_returns_too():
+    """An embedding's backward returns the table's gradient from small inputs: too large to run here is
+    decided on all its tensors."""
+    from trainledger.trace._kernels import KernelCall
+
+    grad, idx = torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)
+    call = KernelCall.of(torch.ops.aten.embedding_dense_backward.default, (grad, idx, 1000, -1, False), {})
+    assert call is not None and call.tensor_bytes == grad.nbytes + idx.nbytes + 1000 * 8 * 4
+
+
+# --- Hugging Face families ------------------------------------------------------------------------------
+
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "gpt-neox", "phi", "mixtral"]
+
+
+def hf_builder(family: str) -> Any:
+    from trainledger.hf import workload_from_hf_config
+
+    cfg = json.loads((HF / f"{family}-small.json").read_text())
+    key = "n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"
+    return lambda depth: workload_from_hf_config({**cfg, key: depth}, micro_batch=1, seq_len=16, fake=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_family_extends_to_the_full_fake_trace(family: str):
+    pytest.importorskip("transformers")
+    build = hf_builder(family)
+    assert_same_ledger(trace_stacked(build, 7), trace(build(7), fake=True))
+
+
+@pytest.mark.slow
+def test_cli_says_how_many_blocks_it_traced(tmp_path: Path, cli, cli_json):
+    pytest.importorskip("transformers")
+    cfg = {**json.loads((HF / "gpt2-small.json").read_text()), "n_layer": 6}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    argv = ("trace", "--hf-config", str(path), "--fake", "--seq-len", "16")
+    extended = cli_json(*argv)
+    assert extended["meta"]["blocks"] == {"total": 6, "traced": [3, 4], "extended": True}
+    assert extended["notes"][0].startswith("traced 3 of 6 blocks, extended")
+    full = cli_json(*argv, "--full-depth")
+    assert "blocks" not in full["meta"]
+    assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
+    code, out, _ = cli(*argv)
+    assert code == 0 and "traced 3 of 6 blocks, extended" in " ".join(out.split())
+
+
+def test_full_depth_without_a_fake_hf_trace_is_refused(cli):
+    code, out, err = cli("trace", "--model", "mlp", "--full-depth")
+    assert code == 2 and not out
+    assert err.strip().count("\n") == 0 and "--full-depth" in err
