@@ -162,9 +162,9 @@ def trace_stacked(
 
     Example:
         >>> from trainledger.examples import gpt_tiny
-        >>> led = trace_stacked(lambda d: gpt_tiny(n_layer=d, seq_len=8, batch_size=1), 6)
-        >>> led.meta["blocks"], led.notes[0]
-        ({'total': 6, 'traced': [3, 4], 'extended': True}, 'traced 3 of 6 blocks, extended ...')
+        >>> led = trace_stacked(lambda d: gpt_tiny(n_layer=d, n_embd=8, n_head=2, seq_len=4, batch_size=1), 6)
+        >>> led.meta["blocks"], led.notes[0][:31]
+        ({'total': 6, 'traced': [3, 4], 'extended': True}, 'traced 3 of 6 blocks, extended:')
     """
     depths = list(depths)
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
