@@ -297,9 +297,15 @@ def _entry(e: Entry, layout: _Layout, home: Home) -> Entry:
 
 def _entries(base: Ledger, layout: _Layout) -> list[Entry]:
     out = [_entry(e, layout, home) for e in base.entries for home in layout.homes(_entry_block(e, layout))]
-    # the tracer's order: by allocation event (before the step first), then name
-    out.sort(key=lambda e: (-1 if e.alloc_event is None else e.alloc_event, e.name))
+    out.sort(key=_tracer_order)
     return out
+
+
+def _tracer_order(e: Entry) -> tuple[int, str]:
+    """The tracer's order: by allocation event (before the step first), then name. A temporary made outside
+    dispatch (role ``untracked_temporary``) is ordered as what it was first taken for: state from before."""
+    before = e.alloc_event is None or e.role == "untracked_temporary"
+    return (-1 if before else e.alloc_event, e.name)  # type: ignore[return-value]
 
 
 def _calls(base: Ledger, layout: _Layout) -> list[ModuleCall]:
