@@ -44,6 +44,7 @@ def one(config: str, mode: str, timeout_s: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"config": config, "mode": mode, "error": f"over {timeout_s:.0f} s", "load": load}
     seconds = time.perf_counter() - t0
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         return {"config": config, "mode": mode, "error": proc.stderr.strip().splitlines()[-1], "load": load}
     out = json.loads(proc.stdout)
@@ -51,7 +52,8 @@ def one(config: str, mode: str, timeout_s: float) -> dict:
         "config": config,
         "mode": mode,
         "seconds": seconds,
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "max_rss_bytes": usage.ru_maxrss * 1024,
         "load": load,
         "peak": out["peak"],
         "num_events": out["num_events"],
@@ -71,11 +73,12 @@ def _run(config: str, mode: str) -> dict:
 
 def _row(r: dict) -> str:
     if "error" in r:
-        return f"| {r['config']} | {r['mode']} | {r['error']} | | | | | {r.get('load', 0):.1f} |"
+        return f"| {r['config']} | {r['mode']} | {r['error']} | | | | | | {r.get('load', 0):.1f} |"
     blocks = r["blocks"] or {}
     how = f"{blocks['traced'][0]} of {blocks['total']} extended" if blocks.get("extended") else "all"
     return (
-        f"| {r['config']} | {r['mode']} ({how}) | {r['seconds']:.1f} | {r['max_rss_bytes'] / 1e9:.2f} | "
+        f"| {r['config']} | {r['mode']} ({how}) | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+        f"{r['max_rss_bytes'] / 1e9:.2f} | "
         f"{r['peak']['bytes']:,} | {r['peak']['event']:,} | {r['num_events']:,} | {r['load']:.1f} |"
     )
 
@@ -100,10 +103,12 @@ def main(which: str = "all") -> None:
     lines = [
         "`trainledger trace --hf-config CONFIG --fake --micro-batch 1 --seq-len 8192 --json`, whole command in a "
         f"fresh process (full depth: `--full-depth`, given up after {FULL_TIMEOUT_S} s); GB = 10^9 bytes; "
-        "load: the machine's 1-minute load average when the command started (2 cores, shared).",
+        "CPU time: user + system of the command's process; load: the machine's 1-minute load average when the "
+        "command started (2 cores, shared: wall time grows with the load, CPU time much less).",
         "",
-        "| config | trace | wall time (s) | peak resident memory (GB) | peak bytes | peak event | events | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| config | trace | wall time (s) | CPU time (s) | peak resident memory (GB) | peak bytes | peak event | events "
+        "| load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         *map(_row, rows),
         "",
         *_agreement(rows),
