@@ -36,7 +36,6 @@ KNOWN_BREACHES: frozenset[str] = frozenset(
         "trainledger.commands.plan -> trainledger.remat._verify",
         "trainledger.commands.plan -> trainledger.report._files",
         "trainledger.commands.shard -> trainledger.shard.launch._units_of",
-        "trainledger.examples <-> trainledger.workload",
         "trainledger.hf -> trainledger.analytic._config",
         "trainledger.hf -> trainledger.analytic._params",
         "trainledger.remat._pareto -> trainledger.report.exports",
@@ -46,7 +45,6 @@ KNOWN_BREACHES: frozenset[str] = frozenset(
         "trainledger.shard._collectives <-> trainledger.shard._fsdp <-> trainledger.shard._optimizer"
         " <-> trainledger.shard._summary <-> trainledger.shard.transform",
         "trainledger.shard._observe -> trainledger.trace._tracer",
-        "trainledger.workload -> trainledger",
     }
 )
 

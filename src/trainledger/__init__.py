@@ -21,9 +21,10 @@ from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkp
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, Payload, Peak
 from trainledger.measure import Measurement, measure
 from trainledger.shard import ShardConfig, ShardResult, shard
+from trainledger.sources import load_workload
 from trainledger.state import StateResult, spec_state, workload_state
 from trainledger.trace import trace
-from trainledger.workload import Workload, load_workload, run_step
+from trainledger.workload import Workload, run_step
 
 # The planner needs numpy and scipy (the ``solve`` extra): imported on first use, so ``import trainledger``
 # works without them and the error, if any, says how to install them.

@@ -133,8 +133,8 @@ def compute(args: argparse.Namespace) -> ShardReport:
     fsdp_facts: dict[str, Any] = {}
     if args.model:
         from trainledger.shard.launch import _units_of, late_units
+        from trainledger.sources import load_workload
         from trainledger.trace import trace
-        from trainledger.workload import load_workload
 
         workload = load_workload(args.model)
         ledger = trace(workload)

@@ -32,8 +32,9 @@ from trainledger.report.terminal import (
     print_renderables,
 )
 from trainledger.shard.transform import parse_strategy
+from trainledger.sources import load_workload
 from trainledger.trace import TraceReport
-from trainledger.workload import Workload, load_workload
+from trainledger.workload import Workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

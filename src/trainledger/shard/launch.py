@@ -207,8 +207,9 @@ def run(config: RunConfig) -> RunResult:
         result = run(RunConfig(model="gpt-tiny", world_size=2, strategy="zero3"))
         [r["traced_peak_bytes"] for r in result.to_dict()["ranks"]]
     """
+    from trainledger.sources import load_workload
     from trainledger.trace import trace
-    from trainledger.workload import load_workload, run_step
+    from trainledger.workload import run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
@@ -266,7 +267,7 @@ def late_units(workload: Any, units: tuple[str, ...]) -> tuple[str, ...]:
 def _check_model_spec(spec: str) -> None:
     """A built-in name, or an existing ``file.py:factory`` (the factory itself runs in the ranks)."""
     from trainledger.examples import EXAMPLES
-    from trainledger.workload import load_workload
+    from trainledger.sources import load_workload
 
     path, _, factory = spec.rpartition(":")
     if spec in EXAMPLES or (path and Path(path).is_file() and factory.isidentifier()):
@@ -476,7 +477,8 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
 
     Usable under ``torchrun`` too: initialise the process group, then call it on every rank.
     """
-    from trainledger.workload import load_workload, run_step
+    from trainledger.sources import load_workload
+    from trainledger.workload import run_step
 
     rank = dist.get_rank()
     stage("building the workload")
