@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainledger.analytic._config import ArchSpec
+from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._setup import Setup
 from trainledger.units import DTYPE_BYTES
 
