@@ -28,15 +28,11 @@ LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 # breach not listed here and on a listed one that no longer exists, so the list only ever shrinks.
 KNOWN_BREACHES: frozenset[str] = frozenset(
     {
-        "trainledger.commands.estimate -> trainledger.analytic._estimate",
-        "trainledger.commands.fit -> trainledger.analytic._fit",
         "trainledger.commands.pareto -> trainledger.remat._pareto",
         "trainledger.commands.pareto -> trainledger.remat._sac",
         "trainledger.commands.plan -> trainledger.remat._verify",
         "trainledger.commands.plan -> trainledger.report._files",
         "trainledger.commands.shard -> trainledger.shard.launch._units_of",
-        "trainledger.hf -> trainledger.analytic._config",
-        "trainledger.hf -> trainledger.analytic._params",
         "trainledger.remat._pareto -> trainledger.report.exports",
         "trainledger.remat._pareto -> trainledger.report.plot",
         "trainledger.remat._pareto -> trainledger.report.plot._matplotlib",
@@ -213,7 +209,6 @@ MAX_FUNCTION_LINES = 80
 KNOWN_LONG: frozenset[str] = frozenset(
     {
         "trainledger.analytic._fit.fit",
-        "trainledger.hf.workload_from_hf_config",
         "trainledger.remat.candidates._replay_one",
         "trainledger.remat.solvers.solve_dp",
         "trainledger.report.memory_viz.to_memory_viz_snapshot",
