@@ -88,8 +88,9 @@ class Candidate:
     seconds_per_token: float
     largest_entry: tuple[str, int] = ("", 0)
     """The largest array live at the peak: what to act on."""
-    relative_cost: float = 0.0
-    """Step time per token relative to the best configuration that fits (1.0 = best)."""
+    relative_cost: float | None = None
+    """Step time per token relative to the best configuration that fits (1.0 = best); ``None`` for one
+    that does not fit (nothing to compare it with)."""
 
     @property
     def largest_at_peak(self) -> tuple[str, int]:

@@ -149,7 +149,7 @@ def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()
                 f"measured peak {m.peak_bytes:,} bytes ({both_units(m.peak_bytes)}), evidence measured on {m.device}"
                 f" (start from {m.start_source}); traced {m.traced_peak.bytes:,}; workspace not visible as tensors "
                 f"{m.unseen_workspace_bytes:,} bytes (kernel-internal buffers, allocator rounding)"
-                + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes else "")
+                + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes is not None else "")
                 + "\nstep time {1:.2f} ms median, {0:.2f} fastest, {2:.2f} slowest".format(
                     *(t * 1e3 for t in m.step_spread_seconds)
                 )
