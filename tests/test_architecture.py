@@ -210,8 +210,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
     {
         "trainledger.remat.candidates._replay_one",
         "trainledger.remat.solvers.solve_dp",
-        "trainledger.report.memory_viz.to_memory_viz_snapshot",
-        "trainledger.report.plot.timeline_figure",
         "trainledger.shard._fsdp.fsdp_rank_timeline",
     }
 )
