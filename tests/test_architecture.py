@@ -4,6 +4,7 @@ package imports another package's private modules or names, and no module import
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,25 @@ def _cyclic_imports() -> set[str]:
         if MODULES[name].name == "__init__.py":
             graph[name] = {d for d in graph[name] if not _inside(d, name)}
     return {" <-> ".join(c) for c in _cycles(graph)}
+
+
+def _readme_layers() -> list[tuple[str, ...]]:
+    """The layers the README's "Design" drawing shows, top first, in LAYERS' spelling (``remat/solvers``:
+    ``remat.solvers``). A line starting with ``←`` opens a layer; an indented line continues it; the names
+    are the comma-separated words before the description (two spaces or more)."""
+    text = (SRC.parent / "README.md").read_text()
+    block = text.split("## Design", 1)[1].split("```", 2)[1]
+    layers: list[list[str]] = []
+    for line in block.strip("\n").splitlines():
+        names = re.split(r"\s{2,}", line.strip().removeprefix("← "))[0]
+        if not layers or line.strip().startswith("←"):
+            layers.append([])
+        layers[-1] += [n.strip().rstrip("/").replace("/", ".") for n in names.split(",") if n.strip()]
+    return [tuple(layer) for layer in layers]
+
+
+def test_the_readme_draws_the_layers_checked_here():
+    assert [set(layer) for layer in _readme_layers()] == [set(layer) for layer in LAYERS]
 
 
 def test_every_module_is_in_a_layer():
