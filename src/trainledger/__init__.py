@@ -36,10 +36,10 @@ def __getattr__(name: str) -> object:
         from trainledger import remat
 
         return getattr(remat, _LAZY[name])
-    if name == "workload_from_hf_config":
-        from trainledger.hf import workload_from_hf_config
+    if name in ("workload_from_hf_config", "workload_from_setup"):  # transformers is imported on first use
+        from trainledger import hf
 
-        return workload_from_hf_config
+        return getattr(hf, name)
     raise AttributeError(f"module 'trainledger' has no attribute {name!r}")
 
 
@@ -78,5 +78,6 @@ __all__ = [
     "spec_state",
     "trace",
     "workload_from_hf_config",
+    "workload_from_setup",
     "workload_state",
 ]

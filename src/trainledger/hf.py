@@ -13,6 +13,9 @@ The model is built
   built that way in its own mode);
 - on the CPU, for real, for small configs (the tests compare the fake and the real trace).
 
+The training step is the one :class:`trainledger.analytic.Setup` describes (:func:`workload_from_setup`),
+so a traced step and its analytic estimate are read from the same, once-validated description.
+
 ``transformers`` is an optional dependency: ``pip install 'trainledger[hf]'``.
 """
 
