@@ -360,7 +360,7 @@ def workload_from_setup(
 
 
 def workload_from_hf_config(
-    config: str | Path | dict[str, Any], *, fake: bool = False, seed: int = 0, **step: Any
+    path: str | Path | dict[str, Any], *, fake: bool = False, seed: int = 0, **step: Any
 ) -> Workload:
     """:func:`workload_from_setup` with the step's fields as keywords (those of
     :class:`~trainledger.analytic.Setup`; ``lora_targets`` may be any sequence of names, or ``None``).
@@ -375,7 +375,7 @@ def workload_from_hf_config(
     targets = step.get("lora_targets")
     if targets is None or (isinstance(targets, (list, tuple)) and all(isinstance(t, str) for t in targets)):
         step["lora_targets"] = tuple(targets or ())
-    return workload_from_setup(config, Setup(**step), fake=fake, seed=seed)
+    return workload_from_setup(path, Setup(**step), fake=fake, seed=seed)
 
 
 def _check_traceable(cfg: HFConfig, setup: Setup, fake: bool) -> None:
