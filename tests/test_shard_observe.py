@@ -10,16 +10,16 @@ import torch.distributed as dist
 from trainledger.examples import gpt_tiny, mlp, moe
 from trainledger.shard import shard
 from trainledger.shard._observe import CollectiveCounter
-from trainledger.shard.launch import _units_of, late_units
+from trainledger.shard.launch import late_units, units_of
 
 
 def test_late_units_are_those_fed_without_grad():
     w = mlp()  # the first layer takes the batch; the others take activations
-    assert late_units(w, _units_of(w.model)) == ("inner.0",)
+    assert late_units(w, units_of(w.model)) == ("inner.0",)
     w = gpt_tiny()  # blocks take the embeddings' output
-    assert late_units(w, _units_of(w.model)) == ()
+    assert late_units(w, units_of(w.model)) == ()
     w = moe()  # each expert takes x[rows], an index into the batch
-    assert late_units(w, _units_of(w.model)) == ("experts.0", "experts.1", "experts.2", "experts.3")
+    assert late_units(w, units_of(w.model)) == ("experts.0", "experts.1", "experts.2", "experts.3")
 
 
 @pytest.fixture
