@@ -68,6 +68,7 @@ def _optimizer_temporaries(ledger):
     )
 
 
+@pytest.mark.slow  # traces a real model under FSDP2 on a gloo group
 def test_fsdp_optimizer_temporaries_are_traced(one_rank_group):
     """FSDP2's optimizer runs on DTensors, whose own ops run below the tracer: their outputs are traced by
     their local tensors. One rank holds everything, so its temporaries are the plain step's."""
@@ -104,3 +105,10 @@ def test_settled_collectives_pause_after_each_wait_and_restore(one_rank_group):
         dist.all_reduce(t, async_op=True).wait()
         assert time.perf_counter() - start >= 0.05
     assert Work.wait is original and t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_phase_seconds_lists_only_the_phases_measured():
+    from trainledger.shard.launch import PhaseSeconds
+
+    seconds = PhaseSeconds(forward=1.5, backward=2.5, optimizer=None, zero_grad=0.25)
+    assert seconds.measured() == {"forward": 1.5, "backward": 2.5, "zero_grad": 0.25}
