@@ -95,12 +95,18 @@ def _last_backward(ctx: Context) -> int:
     return ctx.last_backward if ctx.last_backward is not None else ctx.ledger.num_events - 1
 
 
+def _late(ctx: Context) -> set[str]:
+    """Units reduced in FSDP's final callback, at the end of backward: the root, and units whose forward
+    inputs need no gradient (see ``ShardConfig.late_units``)."""
+    return {"", *ctx.config.late_units}
+
+
 def _hooks(ctx: Context, forward: list[str], backward: list[str], sizes: _UnitSizes) -> dict[int, list[_Hook]]:
     """The hooks that run in the gap before each old event (index ``num_events``: after the last)."""
-    spans, before = ctx.spans, {}
+    spans, late = ctx.spans, _late(ctx)
+    before: dict[int, list[_Hook]] = {}
     for u in forward:
         before.setdefault(spans[(u, "forward")][0], []).append(_Hook("pre_forward", u))
-    late = {"", *ctx.config.late_units}  # reduced in FSDP's final callback, at the end of backward
     for u in backward:
         b0, b1 = spans[(u, "backward")]
         if ctx.plan.regather_backward:
@@ -113,8 +119,9 @@ def _hooks(ctx: Context, forward: list[str], backward: list[str], sizes: _UnitSi
 def _in_gap_order(ctx: Context, hooks: Sequence[_Hook]) -> list[_Hook]:
     """Hooks of one gap in the order they run: post-backwards first — hooked units inside autograd
     (innermost first), then the final callback's in module order — then the pre-hooks, outermost first."""
-    late = {"", *ctx.config.late_units}
-    module_order = {u: k for k, u in enumerate(("", *ctx.units))}
+    if not hooks:
+        return []
+    late, module_order = _late(ctx), {u: k for k, u in enumerate(("", *ctx.units))}
 
     def post_key(h: _Hook) -> tuple[int, int]:
         return (1, module_order.get(h.unit, 0)) if h.unit in late else (0, -len(h.unit))
