@@ -3,7 +3,8 @@ events, how an array is divided on a rank. Pure, no torch.
 
 One :class:`Context` is made per call of :func:`~trainledger.shard.shard`; the modules that build a rank's
 ledger (its optimizer step, FSDP's timeline, the collectives) read it and never change it, except
-:attr:`Context.notes`, where they say what they leave out.
+:attr:`Context.notes`, where they say what they leave out (:meth:`Context.rank_classes` records the classes
+it finds, which :meth:`Context.who` names).
 """
 
 from __future__ import annotations
@@ -154,8 +155,6 @@ class Context:
             return e.numel
         held, actual = shard_rows(like.numel, like.shape, self.plan.shard_size, rank, self.plan.partition)
         return actual if real else held
-
-    # --- one rank ---
 
     def grad_dtype_bytes(self) -> tuple[str, int]:
         """``(dtype, bytes per element)`` of the model's gradients (of its parameters when none is listed)."""
