@@ -33,14 +33,10 @@ KNOWN_BREACHES: frozenset[str] = frozenset(
         "trainledger.commands.pareto -> trainledger.remat._sac",
         "trainledger.commands.plan -> trainledger.remat._verify",
         "trainledger.commands.plan -> trainledger.report._files",
-        "trainledger.commands.shard -> trainledger.shard.launch._units_of",
         "trainledger.remat._pareto -> trainledger.report.exports",
         "trainledger.remat._pareto -> trainledger.report.plot",
         "trainledger.remat._pareto -> trainledger.report.plot._matplotlib",
         "trainledger.remat._record -> trainledger.trace._scopes",
-        "trainledger.shard._collectives <-> trainledger.shard._fsdp <-> trainledger.shard._optimizer"
-        " <-> trainledger.shard._summary <-> trainledger.shard.transform",
-        "trainledger.shard._observe -> trainledger.trace._tracer",
     }
 )
 
@@ -230,7 +226,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
     {
         "trainledger.remat.candidates._replay_one",
         "trainledger.remat.solvers.solve_dp",
-        "trainledger.shard._fsdp.fsdp_rank_timeline",
     }
 )
 

@@ -24,7 +24,7 @@ from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, 
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import ModuleScopes, label_graph
-from trainledger.trace._tracer import ProgressFn, StepTracer
+from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "KernelCall",
     "MeasuredStep",
     "TraceReport",
+    "active_tracer",
     "kernel_internal_bytes",
     "trace",
 ]
