@@ -174,6 +174,7 @@ def test_cli_says_how_many_blocks_it_traced(tmp_path: Path, cli, cli_json):
     full = cli_json(*argv, "--full-depth")
     assert "blocks" not in full["meta"]
     assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
+    assert extended["meta"]["model"] == full["meta"]["model"] == "gpt2:config"
     code, out, _ = cli(*argv)
     assert code == 0 and "traced 3 of 6 blocks, extended" in " ".join(out.split())
 

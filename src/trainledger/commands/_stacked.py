@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trainledger.hf import load_hf_config
+from trainledger.hf import HFConfig, load_hf_config
 from trainledger.ledger import Category, Ledger
 from trainledger.trace import trace_stacked
 from trainledger.workload import Workload
 
-BuildAt = Callable[[dict[str, Any]], Workload]
-"""Builds the step's workload from a config (a dict), with every other step setting fixed."""
+BuildAt = Callable[[HFConfig], Workload]
+"""Builds the step's workload from a config, with every other step setting fixed."""
 
 
 def _layer_key(family: str) -> str:
@@ -41,17 +42,18 @@ def trace_hf_stacked(path: str | Path, build_at: BuildAt, *, progress: Any = Non
     """Trace the config's step on fake tensors, a few blocks deep, extended to its layer count (see
     :func:`trainledger.trace.trace_stacked`); a config whose layers differ is traced whole.
 
-    Returns the ledger (``meta["model"]`` names the config as a full-depth build would) and the number of
-    parameters, trainable and frozen, counted from its weights since no full-depth model is built."""
+    Returns the ledger and the number of parameters, trainable and frozen, counted from its weights since
+    no full-depth model is built."""
     cfg = load_hf_config(path)
     num_layers = cfg.spec.num_layers
     key = _layer_key(cfg.spec.family)
     uneven = _uneven_layers(cfg.raw, num_layers)
 
     def build(depth: int) -> Workload:
-        workload = build_at(cfg.raw if depth == num_layers else _at_depth(cfg.raw, key, num_layers, depth))
-        workload.name = workload.name.replace(f"{cfg.spec.family}:config", cfg.name, 1)
-        return workload
+        if depth == num_layers:
+            return build_at(cfg)
+        # the same source, so that the workload is named after the config as a full-depth build is
+        return build_at(replace(load_hf_config(_at_depth(cfg.raw, key, num_layers, depth)), source=cfg.source))
 
     ledger = trace_stacked(build, num_layers, fake=True, progress=progress, differs=uneven)
     return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
