@@ -17,8 +17,8 @@ PACKAGE = "trainledger"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "ledger", "checks", "signals"),
     ("declared", "analytic", "allocator", "devices", "remat.solvers", "shard"),
-    ("workload", "inventory", "trace", "measure", "state", "shard._observe", "remat"),
-    ("examples", "hf", "sources", "shard.launch"),
+    ("workload", "inventory", "trace", "record", "measure", "state", "shard._observe", "remat"),
+    ("examples", "hf", "sources", "integrations", "shard.launch"),
     ("report",),
     ("commands", "cli"),
 )

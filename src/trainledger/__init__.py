@@ -20,6 +20,7 @@ from trainledger.errors import InputError
 from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkpoint
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, Payload, Peak
 from trainledger.measure import Measurement, measure
+from trainledger.record import Recording, record
 from trainledger.shard import ShardConfig, ShardResult, shard
 from trainledger.state import StateResult, spec_state, workload_state
 from trainledger.trace import trace
@@ -55,6 +56,7 @@ __all__ = [
     "Payload",
     "Peak",
     "Plan",
+    "Recording",
     "RecoveryCheckpoint",
     "Setup",
     "ShardConfig",
@@ -71,6 +73,7 @@ __all__ = [
     "measure",
     "pareto",
     "plan",
+    "record",
     "recovery_checkpoint",
     "run_step",
     "shard",
