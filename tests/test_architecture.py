@@ -18,8 +18,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "ledger", "checks", "signals"),
     ("declared", "analytic", "allocator", "devices", "remat.solvers", "shard"),
     ("workload", "inventory", "trace", "record", "measure", "state", "shard._observe", "remat"),
-    ("examples", "hf", "sources", "integrations", "shard.launch"),
+    ("examples", "hf", "sources", "shard.launch"),
     ("report",),
+    ("integrations",),  # the framework callbacks write the HTML page beside the ledger
     ("commands", "cli"),
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

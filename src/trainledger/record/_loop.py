@@ -74,10 +74,10 @@ class _LoopTracer(StepTracer):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if _current_node() is not None:
             self.phase = self.after = "backward"
+        elif self.scopes.stack:  # before the optimizer test: Lightning runs forward inside step(closure)
+            self.phase = self.after = "forward"
         elif self.in_optimizer:
             self.phase = "optimizer"
-        elif self.scopes.stack:
-            self.phase = self.after = "forward"
         else:  # between modules: the loss after forward; unscale_ and clipping after backward
             self.phase = _OUTSIDE.get(self.after, "zero_grad")
         return super().__torch_dispatch__(func, types, args, kwargs)
@@ -262,6 +262,11 @@ class Recording(contextlib.ContextDecorator):
         self._ledgers[live.index] = ledger
 
     # --- results --------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop is inside this ``record`` now."""
+        return self._entered
 
     @property
     def steps(self) -> tuple[int, ...]:
