@@ -57,6 +57,7 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key
 from trainledger.ledger import Category, Entry, Ledger, Peak
 from trainledger.trace import ModuleScopes, StepTracer, mark_optimizer_outputs, traced_ledger, with_kernel_workspace
+from trainledger.workload import iter_tensors
 
 _current_node = torch._C._current_autograd_node
 
@@ -151,6 +152,7 @@ class Recording(contextlib.ContextDecorator):
         if self._entered:
             raise InputError("this record(...) is already running; it cannot be entered again inside itself")
         self._entered = True
+        self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer))
@@ -170,6 +172,12 @@ class Recording(contextlib.ContextDecorator):
             self._entered = False
 
     # --- hooks ----------------------------------------------------------------------------------
+
+    def _before_forward(self, _model: nn.Module, args: Any, kwargs: Any) -> None:
+        """The model's inputs, made during the step (the batch moved to the device): inputs, not workspace."""
+        if self._live is not None:
+            for i, t in enumerate(iter_tensors((args, kwargs))):
+                self._live.tracer.mark(t, Category.INPUTS, "batch", f"batch[{i}]")
 
     def _before_optimizer(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         live = self._live
@@ -370,15 +378,11 @@ def _held_tensors(devices: set[torch.device], known: dict[int, Any]) -> list[tor
 
 
 def _reclassified(ledger: Ledger, device: str) -> list[Entry]:
-    """Two kinds of entries the tracer's rules do not name, named from their lifetimes:
-
-    - a forward allocation not saved through autograd's hooks but freed during backward is held for
-      backward (activations): ``save_on_cpu``'s host copies (role ``offloaded`` when not on the model's
-      device), tensors a custom ``autograd.Function`` keeps on ``ctx``;
-    - an allocation before the step's first forward that lives into it is the batch (inputs).
-    """
+    """Entries the tracer's rules do not name, named from their lifetimes: a forward allocation not saved
+    through autograd's hooks but freed during backward is held for backward (activations):
+    ``save_on_cpu``'s host copies (role ``offloaded`` when not on the model's device), tensors a custom
+    ``autograd.Function`` keeps on ``ctx``."""
     phases = [ev.phase for ev in ledger.events]
-    first_forward = next((i for i, p in enumerate(phases) if p == "forward"), None)
     out = []
     for e in ledger.entries:
         if (
@@ -389,14 +393,6 @@ def _reclassified(ledger: Ledger, device: str) -> list[Entry]:
         ):
             role = "offloaded" if e.device != device else "held_for_backward"
             e = dataclasses.replace(e, category=Category.ACTIVATIONS, role=role, last_use_event=e.free_event - 1)
-        elif (
-            e.role == "zero_grad_temporary"
-            and first_forward is not None
-            and e.alloc_event is not None
-            and e.alloc_event <= first_forward
-            and (e.free_event is None or e.free_event > first_forward)
-        ):
-            e = dataclasses.replace(e, category=Category.INPUTS, role="batch")
         out.append(e)
     return out
 
