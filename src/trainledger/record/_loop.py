@@ -95,6 +95,9 @@ class _Live:
     tracer: _LoopTracer
     hooks: torch.autograd.graph.saved_tensors_hooks
     start: float
+    """``time.perf_counter()`` as the step opened."""
+    seconds: float = 0.0
+    """How long the step ran under the tracer (set as it closes)."""
 
 
 class Recording(contextlib.ContextDecorator):
@@ -225,10 +228,11 @@ class Recording(contextlib.ContextDecorator):
         live, self._live = self._live, None
         if live is None:
             return None
-        seconds = time.perf_counter() - live.start
+        live.seconds = time.perf_counter() - live.start
         top = _get_current_dispatch_mode()
         if top is not live.tracer:
             live.tracer.stop()
+            live.tracer.scopes.close()
             raise InputError(
                 f"a step ended inside another dispatch mode ({type(top).__name__}) entered after record(); "
                 "enter that mode outside record(...), or end it before optimizer.step()"
@@ -236,7 +240,6 @@ class Recording(contextlib.ContextDecorator):
         live.tracer.__exit__(None, None, None)
         live.hooks.__exit__(None, None, None)
         live.tracer.scopes.close()
-        live.start = seconds
         return live
 
     def _discard(self) -> None:
@@ -257,7 +260,7 @@ class Recording(contextlib.ContextDecorator):
         ledger = traced_ledger(
             tracer,
             name=self.name,
-            seconds=live.start,
+            seconds=live.seconds,
             optimizers=list(self.optimizers),
             parameter_order=[n for n, _ in self.model.named_parameters()],
             notes=_compiled_note(self.model),
