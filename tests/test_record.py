@@ -189,3 +189,16 @@ def test_bad_input_says_how_to_fix_it() -> None:
         opt.step()
     with pytest.raises(InputError, match=r"recorded steps: \[0\]"):
         rec.ledger(step=3)
+
+
+def test_an_error_in_the_loop_leaves_nothing_behind() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"), record(model, opt) as rec:
+        model(torch.randn(1, 2)).sum().backward()
+        raise RuntimeError("boom")
+    assert _get_current_dispatch_mode() is None and not rec.running
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert rec.steps == ()

@@ -162,9 +162,11 @@ class Recording(contextlib.ContextDecorator):
         self._open()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *_exc: object) -> None:
         try:
-            if self._live is not None and self._live.tracer.after:  # a step begun: forward at least
+            # a step begun (forward at least) and the loop ended normally: record it; if the loop raised,
+            # only let go (the user's exception is the one to see)
+            if exc_type is None and self._live is not None and self._live.tracer.after:
                 self._close()
             else:
                 self._discard()
