@@ -36,7 +36,6 @@ KNOWN_BREACHES: frozenset[str] = frozenset(
         "trainledger.commands.pareto -> trainledger.remat._sac",
         "trainledger.commands.plan -> trainledger.remat._verify",
         "trainledger.commands.plan -> trainledger.report._files",
-        "trainledger.commands.shard -> trainledger.shard.launch._units_of",
         "trainledger.examples <-> trainledger.workload",
         "trainledger.hf -> trainledger.analytic._config",
         "trainledger.hf -> trainledger.analytic._params",
@@ -44,9 +43,6 @@ KNOWN_BREACHES: frozenset[str] = frozenset(
         "trainledger.remat._pareto -> trainledger.report.plot",
         "trainledger.remat._pareto -> trainledger.report.plot._matplotlib",
         "trainledger.remat._record -> trainledger.trace._scopes",
-        "trainledger.shard._collectives <-> trainledger.shard._fsdp <-> trainledger.shard._optimizer"
-        " <-> trainledger.shard._summary <-> trainledger.shard.transform",
-        "trainledger.shard._observe -> trainledger.trace._tracer",
         "trainledger.workload -> trainledger",
     }
 )
@@ -224,7 +220,6 @@ KNOWN_LONG: frozenset[str] = frozenset(
         "trainledger.remat.solvers.solve_dp",
         "trainledger.report.memory_viz.to_memory_viz_snapshot",
         "trainledger.report.plot.timeline_figure",
-        "trainledger.shard._fsdp.fsdp_rank_timeline",
     }
 )
 

@@ -31,7 +31,7 @@ from trainledger.report.terminal import (
     peak_text,
     print_renderables,
 )
-from trainledger.shard.transform import parse_strategy
+from trainledger.shard import parse_strategy
 from trainledger.trace import TraceReport
 from trainledger.workload import Workload, load_workload
 
