@@ -18,9 +18,10 @@ PACKAGE = "trainledger"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "ledger", "checks", "signals"),
     ("declared", "analytic", "allocator", "devices", "remat.solvers", "shard"),
-    ("workload", "inventory", "trace", "measure", "state", "shard._observe", "remat"),
+    ("workload", "inventory", "trace", "record", "measure", "state", "shard._observe", "remat"),
     ("examples", "hf", "sources", "shard.launch"),
     ("report",),
+    ("integrations",),  # the framework callbacks write the HTML page beside the ledger
     ("commands", "cli"),
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

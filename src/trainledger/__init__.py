@@ -20,6 +20,7 @@ from trainledger.errors import InputError
 from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkpoint
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, Payload, Peak
 from trainledger.measure import Measurement, measure
+from trainledger.record import Recording, record
 from trainledger.shard import ShardConfig, ShardResult, shard
 from trainledger.sources import load_workload
 from trainledger.state import StateResult, spec_state, workload_state
@@ -56,6 +57,7 @@ __all__ = [
     "Payload",
     "Peak",
     "Plan",
+    "Recording",
     "RecoveryCheckpoint",
     "Setup",
     "ShardConfig",
@@ -72,6 +74,7 @@ __all__ = [
     "measure",
     "pareto",
     "plan",
+    "record",
     "recovery_checkpoint",
     "run_step",
     "shard",

@@ -23,6 +23,7 @@ from trainledger.trace._fake import fake_workload
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._report import MeasuredStep, TraceReport
+from trainledger.trace._restore import RESTORED_NOTE, TrainingState
 from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
@@ -31,13 +32,20 @@ from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workl
 __all__ = [
     "KERNEL_INTERNAL",
     "PROBED_OPS",
+    "RESTORED_NOTE",
     "KernelCall",
     "MeasuredStep",
+    "ModuleScopes",
+    "StepTracer",
     "TraceReport",
+    "TrainingState",
     "active_tracer",
     "kernel_internal_bytes",
+    "mark_optimizer_outputs",
     "trace",
     "trace_stacked",
+    "traced_ledger",
+    "with_kernel_workspace",
 ]
 
 LIMITATIONS = (
@@ -83,7 +91,9 @@ def trace(
     """Trace one steady-state training step of ``workload`` (evidence ``traced``).
 
     A warm-up step runs first, so lazily created optimizer state exists; then one step is traced:
-    forward, loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Every
+    forward, loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``. Both steps
+    are undone afterwards: the weights, buffers, gradients, optimizer state and random-number state are
+    what they were before the call (the ledger's notes say so). Every
     dispatched op is an event with its phase, op name and module (in backward: the module whose
     gradient is being computed). Every storage allocated during the step is an entry with its
     allocation and free events; tensors that existed before and take part are entries alive from
@@ -108,7 +118,7 @@ def trace(
     if progress is not None and not callable(progress):
         raise InputError(f"trace(progress=...) is {progress!r}; give None or a function progress(phase, num_events)")
     ledger, kernels = _trace_step(workload, fake=fake, progress=progress)
-    return _with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+    return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
 
 
 def _trace_step(
@@ -126,10 +136,14 @@ def _trace_step(
                         "trace it without --fake"
                     ) from exc
                 raise
-        ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True})
-    else:
+        return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True}), kernels
+    roots = [m for m in (workload.model, workload.reference) if m is not None]
+    found = TrainingState.of(roots, [workload.get_optimizer()])
+    try:
         ledger, kernels = _trace(workload, progress)
-    return ledger, kernels
+    finally:
+        found.restore()  # the warm-up and traced steps are undone: training goes on from where it was
+    return ledger.with_entries(ledger.entries, notes=(*ledger.notes, RESTORED_NOTE)), kernels
 
 
 def trace_stacked(
@@ -196,7 +210,7 @@ def trace_stacked(
     meta = {**ledger.meta, "blocks": {"total": num_blocks, "traced": depths, "extended": True}}
     meta.pop("traced_step_seconds", None)  # no step of this depth ran
     ledger = ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
-    return _with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+    return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
 
 
 def _whole_stack(
@@ -213,7 +227,9 @@ def _whole_stack(
     return ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
 
 
-def _with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
+def with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
+    """``ledger`` with the buffers the kernels of ``kernels`` (a tracer's ``kernel_calls``) allocate inside one
+    op, each measured by running the call once more alone (evidence ``measured``)."""
     entries, skipped = kernel_entries(kernels)
     notes = tuple(_kernel_note(len(entries), skipped) if n == LIMITATIONS else n for n in ledger.notes)
     return ledger.with_entries((*ledger.entries, *entries), notes=notes)
@@ -241,7 +257,7 @@ def _trace(
                 if p.grad is not None:
                     tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{name}.grad")
         elif phase in ("zero_grad", "end"):  # masters' gradients and any state the step created
-            _mark_optimizer_outputs(tracer, model, optimizer)
+            mark_optimizer_outputs(tracer, model, optimizer)
         if phase != "end":
             tracer.phase = phase
 
@@ -259,26 +275,49 @@ def _trace(
         raise InputError("the step dispatched no tensor operations; nothing to trace")
 
     resized = tracer.size_outputs_as_the_real_kernels() if fake else 0
+    ledger = traced_ledger(
+        tracer,
+        name=workload.name,
+        seconds=seconds,
+        optimizers=[optimizer],
+        parameter_order=[name for name, _ in model.named_parameters()],
+        notes=(_resized_note(resized),) if resized else (),
+    )
+    return ledger, tracer.kernel_calls
+
+
+def traced_ledger(
+    tracer: StepTracer,
+    *,
+    name: str,
+    seconds: float,
+    optimizers: list[torch.optim.Optimizer],
+    parameter_order: list[str],
+    notes: tuple[str, ...] = (),
+    meta: dict[str, object] | None = None,
+) -> Ledger:
+    """The ledger of what ``tracer`` saw (call after ``tracer.stop()``): its entries, events and module calls,
+    the limitations every trace states, ``notes`` after them, and ``meta`` added to the standard keys."""
     entries = tracer.entries()
     devices = Counter(e.device for e in entries if e.category in (Category.WEIGHTS, Category.ACTIVATIONS))
     events = tracer.events()
-    ledger = Ledger(
+    return Ledger(
         tuple(entries),
         tuple(events),
         evidence=Evidence.TRACED,
         device=devices.most_common(1)[0][0] if devices else "cpu",
-        notes=(LIMITATIONS, *_elsewhere_note(tracer.frees_elsewhere)) + ((_resized_note(resized),) if resized else ()),
+        notes=(LIMITATIONS, *_elsewhere_note(tracer.frees_elsewhere), *notes),
         calls=tracer.module_calls(),
         meta={
-            "model": workload.name,
+            "model": name,
             "events_per_phase": dict(Counter(ev.phase for ev in events)),
             "traced_step_seconds": seconds,
-            "optimizer": type(optimizer).__name__,
-            "parameter_order": [name for name, _ in model.named_parameters()],
+            "optimizer": "+".join(type(o).__name__ for o in optimizers),
+            "parameter_order": parameter_order,
             **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
+            **(meta or {}),
         },
     )
-    return ledger, tracer.kernel_calls
 
 
 def _elsewhere_note(names: list[str]) -> tuple[str, ...]:
@@ -290,7 +329,8 @@ def _elsewhere_note(names: list[str]) -> tuple[str, ...]:
     )
 
 
-def _mark_optimizer_outputs(tracer: StepTracer, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def mark_optimizer_outputs(tracer: StepTracer, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Name the gradients and optimizer state a step created (lazily made moments, masters' gradients)."""
     for t, owner in iter_state(model, optimizer):
         if owner.category in (Category.OPTIMIZER, Category.GRADIENTS):
             tracer.mark(t, owner.category, owner.role, owner.name)

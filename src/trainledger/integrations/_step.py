@@ -1,0 +1,88 @@
+"""What both callbacks do: record one optimizer step of a run, then write its ledger and its page."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainledger.errors import InputError
+from trainledger.record import Recording, record
+from trainledger.report.html import write_html
+
+FOLDER = "trainledger"
+
+
+@dataclass(frozen=True)
+class Written:
+    """The files a recorded step was written to."""
+
+    ledger: Path
+    """``<output>/trainledger/step-<k>/rank-<r>.json``."""
+    html: Path | None
+    """The page beside it (``None`` when the callback was made with ``html=False``)."""
+
+
+class StepRecorder:
+    """Records optimizer step ``step`` of a run: call :meth:`begin` before every step (or micro-batch) and
+    :meth:`end` after it; the step is written once its optimizer step has returned.
+
+    Arguments:
+        step: the optimizer step to record (the framework's global step count as that step begins; 0 is the
+            first, which also creates the optimizer's state lazily, so 1 or later shows a steady step).
+        html: also write the HTML page.
+    """
+
+    def __init__(self, step: int = 1, *, html: bool = True) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InputError(f"step={step!r}: give the optimizer step to record, a whole number from 0 (e.g. 1)")
+        self.step = step
+        self.html = html
+        self.written: Written | None = None
+        self._rec: Recording | None = None
+
+    def begin(self, global_step: int, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        if global_step != self.step or self._rec is not None or self.written is not None:
+            return
+        self._rec = record(_unwrap_model(model), *(_unwrap_optimizer(o) for o in optimizers), steps=0)
+        self._rec.__enter__()
+
+    def end(self, output_dir: str | Path) -> Written | None:
+        rec = self._rec
+        if rec is None or not rec.running or 0 not in rec.steps:
+            return None
+        self.stop()
+        rank = rec.ledger(step=0).meta.get("rank", 0)
+        folder = Path(output_dir) / FOLDER / f"step-{self.step}"
+        path = rec.save(folder / f"rank-{rank}.json", step=0)
+        html = write_html(rec.ledger(step=0), folder / f"rank-{rank}.html") if self.html else None
+        self.written = Written(path, html)
+        return self.written
+
+    def stop(self) -> None:
+        """Leave ``record`` if it is running (at the end of training, whatever happened)."""
+        if self._rec is not None and self._rec.running:
+            self._rec.__exit__(None, None, None)
+
+
+_WRAPPERS = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"})
+
+
+def _unwrap_model(model: Any) -> nn.Module:
+    """The module inside DDP's or FSDP1's wrapper (the one whose calls name the ops)."""
+    while type(model).__name__ in _WRAPPERS and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` or Lightning's ``LightningOptimizer``."""
+    for attr in ("optimizer", "_optimizer"):
+        inner = getattr(opt, attr, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not opt:
+            return _unwrap_optimizer(inner)
+    return opt

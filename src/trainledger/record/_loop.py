@@ -1,0 +1,437 @@
+"""Record the user's own training loop: every storage of every step, as the loop runs, unchanged.
+
+``record(model, optimizer)`` is a context manager (and a decorator) around any training code. It traces
+the steps inside with the same tracer as :func:`trainledger.trace` and finds the phases itself:
+
+- **a step** runs from the return of one ``optimizer.step()`` (or from entering ``record``) to the return
+  of the next; with several optimizers, until each has stepped. So ``zero_grad``, the scheduler's step and
+  a GradScaler's ``update()`` that follow an optimizer step open the next step (phase ``zero_grad``), and
+  gradient accumulation's micro-batches all fall inside the step whose optimizer step they feed;
+- **forward**: ops inside a call of any module of the model, and the loss computed from its output;
+- **backward**: ops autograd's engine runs (recomputations of checkpointed regions included);
+- **optimizer**: ops inside ``optimizer.step()``, and those between backward and it (a GradScaler's
+  ``unscale_``, gradient clipping).
+
+Nothing the loop computes changes: the tracer only watches (same kernels, same random numbers); weights,
+optimizer state and RNG after ``record`` are bitwise what the loop alone makes.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(8, 4)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with record(model, opt) as rec:
+    ...     for _ in range(3):
+    ...         model(torch.randn(2, 8)).square().mean().backward()
+    ...         opt.step()
+    ...         opt.zero_grad()
+    >>> rec.steps, rec.ledger(step=1).evidence.value
+    ((0, 1, 2), 'traced')
+
+Known limitations:
+    - A step a GradScaler skips (gradients with infs) calls no ``optimizer.step()``: it is recorded
+      together with the next one.
+    - Tensors that exist when a step begins count when an op of the step uses them or when the loop holds
+      them (found among Python's objects); tensors held only inside C++ objects (a retained autograd graph)
+      are not seen.
+    - Ops inside a ``torch.compile``-d module run as generated kernels that dispatch does not see op by op;
+      a ledger of such a step says which modules are compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from trainledger.checks import describe
+from trainledger.errors import InputError
+from trainledger.inventory import iter_state, storage_key
+from trainledger.ledger import Category, Entry, Ledger, Peak
+from trainledger.trace import ModuleScopes, StepTracer, mark_optimizer_outputs, traced_ledger, with_kernel_workspace
+from trainledger.workload import iter_tensors
+
+_current_node = torch._C._current_autograd_node
+
+
+class _LoopTracer(StepTracer):
+    """The step tracer, with the phase taken from where each op runs (the loop is the user's, so no
+    caller can announce the phases)."""
+
+    def __init__(self, scopes: ModuleScopes) -> None:
+        super().__init__(scopes)
+        self.phase = "zero_grad"
+        self.after = ""  # the last of forward / backward / optimizer this step has seen
+        self.in_optimizer = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if _current_node() is not None:
+            self.phase = self.after = "backward"
+        elif self.scopes.stack:  # before the optimizer test: Lightning runs forward inside step(closure)
+            self.phase = self.after = "forward"
+        elif self.in_optimizer:
+            self.phase = "optimizer"
+        else:  # between modules: the loss after forward; unscale_ and clipping after backward
+            self.phase = _OUTSIDE.get(self.after, "zero_grad")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
+
+
+@dataclasses.dataclass
+class _Live:
+    """The step being traced now."""
+
+    index: int
+    tracer: _LoopTracer
+    hooks: torch.autograd.graph.saved_tensors_hooks
+    start: float
+    """``time.perf_counter()`` as the step opened."""
+    seconds: float = 0.0
+    """How long the step ran under the tracer (set as it closes)."""
+
+
+class Recording(contextlib.ContextDecorator):
+    """What :func:`record` returns: enter it (``with``) or decorate a function with it; read it afterwards.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> rec = record(model, opt, steps=[1])
+        >>> @rec
+        ... def train():
+        ...     for _ in range(2):
+        ...         model(torch.randn(3, 4)).sum().backward()
+        ...         opt.step()
+        ...         opt.zero_grad()
+        >>> train()
+        >>> rec.steps, rec.peak().bytes > 0
+        ((1,), True)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *optimizers: torch.optim.Optimizer,
+        steps: int | Iterable[int] | None = None,
+        name: str = "",
+        kernel_workspace: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InputError(f"record() takes the model first, not {describe(model)}; record(model, optimizer)")
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise InputError(
+                    f"record() takes the model's optimizers after it, not {describe(opt)}; "
+                    "record(model, optimizer) or record(model, opt_a, opt_b)"
+                )
+        if not optimizers:
+            raise InputError("record() needs the optimizer that ends each step: record(model, optimizer)")
+        self.model = model
+        self.optimizers = optimizers
+        self.selected = _selection(steps)
+        self.name = name or type(model).__name__
+        self.kernel_workspace = kernel_workspace
+        self._ledgers: dict[int, Ledger] = {}
+        self._next = 0  # the index of the step that opens next
+        self._stepped: set[int] = set()
+        self._live: _Live | None = None
+        self._handles: list[Any] = []
+        self._entered = False
+
+    # --- entering and leaving --------------------------------------------------------------------
+
+    def __enter__(self) -> Recording:
+        if self._entered:
+            raise InputError("this record(...) is already running; it cannot be entered again inside itself")
+        self._entered = True
+        self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
+            self._handles.append(opt.register_step_post_hook(self._after_optimizer))
+        self._open()
+        return self
+
+    def __exit__(self, exc_type: object, *_exc: object) -> None:
+        try:
+            # a step begun (forward at least) and the loop ended normally: record it; if the loop raised,
+            # only let go (the user's exception is the one to see)
+            if exc_type is None and self._live is not None and self._live.tracer.after:
+                self._close()
+            else:
+                self._discard()
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._entered = False
+
+    # --- hooks ----------------------------------------------------------------------------------
+
+    def _before_forward(self, _model: nn.Module, args: Any, kwargs: Any) -> None:
+        """The model's inputs, made during the step (the batch moved to the device): inputs, not workspace."""
+        if self._live is not None:
+            for i, t in enumerate(iter_tensors((args, kwargs))):
+                self._live.tracer.mark(t, Category.INPUTS, "batch", f"batch[{i}]")
+
+    def _before_optimizer(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        live = self._live
+        if live is None:
+            return
+        live.tracer.in_optimizer = True
+        live.tracer.phase = "optimizer"
+        for pname, p in self.model.named_parameters():  # gradients exist now: name them
+            if p.grad is not None:
+                live.tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{pname}.grad")
+
+    def _after_optimizer(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self._live is not None:
+            self._live.tracer.in_optimizer = False
+            self._live.tracer.after = "optimizer"
+        self._stepped.add(id(opt))
+        if len(self._stepped) < len(self.optimizers):
+            return
+        self._stepped.clear()
+        self._close()
+        self._open()
+
+    # --- one step's tracer ------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        index = self._next
+        self._next += 1
+        if self.selected is not None and index not in self.selected:
+            return
+        scopes = ModuleScopes([("", self.model)])
+        tracer = _LoopTracer(scopes)
+        for opt in self.optimizers:
+            for t, owner in iter_state(self.model, opt):
+                tracer.known(t, owner.name, owner.category, owner.role)
+        devices = {p.device for p in self.model.parameters()}
+        for i, t in enumerate(_held_tensors(devices, tracer.storages)):
+            tracer.known(t, f"held_by_loop[{i}]", Category.OTHER, "held")
+        scopes.open()
+        hooks = torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack)
+        hooks.__enter__()
+        tracer.__enter__()
+        self._live = _Live(index, tracer, hooks, time.perf_counter())
+
+    def _pop(self) -> _Live | None:
+        live, self._live = self._live, None
+        if live is None:
+            return None
+        live.seconds = time.perf_counter() - live.start
+        top = _get_current_dispatch_mode()
+        if top is not live.tracer:
+            live.tracer.stop()
+            live.tracer.scopes.close()
+            raise InputError(
+                f"a step ended inside another dispatch mode ({type(top).__name__}) entered after record(); "
+                "enter that mode outside record(...), or end it before optimizer.step()"
+            )
+        live.tracer.__exit__(None, None, None)
+        live.hooks.__exit__(None, None, None)
+        live.tracer.scopes.close()
+        return live
+
+    def _discard(self) -> None:
+        live = self._pop()
+        if live is not None:
+            live.tracer.stop()
+
+    def _close(self) -> None:
+        live = self._pop()
+        if live is None:
+            return
+        tracer = live.tracer
+        for opt in self.optimizers:
+            mark_optimizer_outputs(tracer, self.model, opt)
+        tracer.stop()
+        if not tracer.num_events:
+            return
+        ledger = traced_ledger(
+            tracer,
+            name=self.name,
+            seconds=live.seconds,
+            optimizers=list(self.optimizers),
+            parameter_order=[n for n, _ in self.model.named_parameters()],
+            notes=_compiled_note(self.model),
+            meta={"step": live.index, "recorded": True, **_rank()},
+        )
+        ledger = ledger.with_entries(_reclassified(ledger, _model_device(self.model)))
+        if self.kernel_workspace:
+            with torch.random.fork_rng(devices=[]):  # running a kernel alone must not move the loop's RNG
+                ledger = with_kernel_workspace(ledger, tracer.kernel_calls)
+        self._ledgers[live.index] = ledger
+
+    # --- results --------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop is inside this ``record`` now."""
+        return self._entered
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The indices of the recorded steps (the first step inside ``record`` is 0)."""
+        return tuple(sorted(self._ledgers))
+
+    def ledger(self, step: int | None = None, *, device: str | None = None) -> Ledger:
+        """The ledger of recorded step ``step`` (default: the step with the highest peak).
+
+        Arguments:
+            step: a step index from :attr:`steps`.
+            device: keep only arrays on this device (``"cpu"`` shows activations that
+                ``torch.autograd.graph.save_on_cpu`` moved to the host); default: all, or the model's
+                device when the step used several (the host's entries are then named in a note).
+        """
+        if not self._ledgers:
+            raise InputError(
+                "no step was recorded: a step ends when optimizer.step() returns "
+                f"(steps inside record so far: {self._next - 1 if self._entered else self._next}); "
+                "run the training loop inside `with record(model, optimizer):`"
+            )
+        if step is None:
+            step = max(self._ledgers, key=lambda k: (self._ledgers[k].peak().bytes, -k))
+        if step not in self._ledgers:
+            raise InputError(f"step {step!r} was not recorded; recorded steps: {list(self.steps)}")
+        return _on_device(self._ledgers[step], device or _model_device(self.model))
+
+    def peak(self) -> Peak:
+        """The highest peak over the recorded steps (its ``event`` is on that step's clock; see
+        ``ledger().meta["step"]``)."""
+        return self.ledger().peak()
+
+    def save(self, path: str | Path, *, step: int | None = None) -> Path:
+        """Write a step's ledger (default: the one with the highest peak) as JSON that ``trainledger report``
+        reads. Returns the path written."""
+        out = Path(path)
+        if out.is_dir():
+            raise InputError(f"{str(out)!r} is a folder; give a file name such as {str(out / 'step.json')!r}")
+        data = self.ledger(step).to_dict()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data))
+        return out
+
+
+def record(
+    model: nn.Module,
+    *optimizers: torch.optim.Optimizer,
+    steps: int | Iterable[int] | None = None,
+    name: str = "",
+    kernel_workspace: bool = True,
+) -> Recording:
+    """Trace the training code run inside, step by step, without changing it.
+
+    Arguments:
+        model: the model being trained (its modules name the forward and backward ops).
+        optimizers: the optimizers that end each step (one, or several that all step once per step).
+        steps: which steps to trace (indices from 0, the first step inside ``record``): ``None`` for all,
+            an int for one, or a collection. The others run untraced, at full speed.
+        name: the model's name in the ledgers (default: its class name).
+        kernel_workspace: also measure the buffers CPU kernels allocate inside one op (as ``trace`` does).
+
+    Returns:
+        A :class:`Recording`: use it as ``with record(...) as rec:`` or as a decorator, then read
+        ``rec.ledger(step=k)``, ``rec.peak()``, ``rec.save(path)``.
+    """
+    return Recording(model, *optimizers, steps=steps, name=name, kernel_workspace=kernel_workspace)
+
+
+def _selection(steps: int | Iterable[int] | None) -> frozenset[int] | None:
+    if steps is None:
+        return None
+    chosen = [steps] if isinstance(steps, int) else steps
+    try:
+        chosen = list(chosen)  # type: ignore[arg-type]
+    except TypeError:
+        chosen = [steps]  # type: ignore[list-item]
+    bad = [s for s in chosen if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if bad or not chosen:
+        raise InputError(
+            f"record(steps=...) is {steps!r}; give None (every step), a step index such as 3, or indices such "
+            "as [1, 5] (0 is the first step inside record)"
+        )
+    return frozenset(chosen)
+
+
+def _held_tensors(devices: set[torch.device], known: dict[int, Any]) -> list[torch.Tensor]:
+    """Tensors on the model's devices that Python objects hold as the step begins (the last batch, output
+    and loss the loop's variables still refer to), one per storage, not already declared."""
+    found: dict[int, torch.Tensor] = {}
+    plain = (torch.Tensor, nn.Parameter)
+    for obj in gc.get_objects():
+        if (
+            type(obj) in plain  # not isinstance: that asks every object for its __class__, and some warn
+            and obj.layout is torch.strided
+            and obj.device in devices
+        ):
+            key = storage_key(obj)
+            if key not in known and key not in found and obj.untyped_storage().nbytes():
+                found[key] = obj
+    return list(found.values())
+
+
+def _reclassified(ledger: Ledger, device: str) -> list[Entry]:
+    """Entries the tracer's rules do not name, named from their lifetimes: a forward allocation not saved
+    through autograd's hooks but freed during backward is held for backward (activations):
+    ``save_on_cpu``'s host copies (role ``offloaded`` when not on the model's device), tensors a custom
+    ``autograd.Function`` keeps on ``ctx``."""
+    phases = [ev.phase for ev in ledger.events]
+    out = []
+    for e in ledger.entries:
+        if (
+            e.role == "forward_temporary"
+            and e.free_event is not None
+            and e.free_event < len(phases)
+            and phases[e.free_event] == "backward"
+        ):
+            role = "offloaded" if e.device != device else "held_for_backward"
+            e = dataclasses.replace(e, category=Category.ACTIVATIONS, role=role, last_use_event=e.free_event - 1)
+        out.append(e)
+    return out
+
+
+def _on_device(ledger: Ledger, device: str) -> Ledger:
+    devices = {e.device for e in ledger.entries}
+    if len(devices) < 2:
+        return ledger
+    kept = [e for e in ledger.entries if e.device == device]
+    others = sorted(devices - {device})
+    note = (
+        f"{len(ledger.entries) - len(kept)} arrays on {', '.join(others)} (activations offloaded to the host, the "
+        f"batch before it is moved) are left out; see ledger(step, device={others[0]!r})"
+    )
+    return ledger.with_entries(kept, device=device, notes=(*ledger.notes, note))
+
+
+def _model_device(model: nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return "cpu" if p is None else str(p.device)
+
+
+def _compiled_note(model: nn.Module) -> tuple[str, ...]:
+    compiled = [n or "(root)" for n, m in model.named_modules() if hasattr(m, "_orig_mod")]
+    if not compiled:
+        return ()
+    return (
+        f"compiled modules ({', '.join(compiled[:5])}) run generated kernels: their temporaries are seen as the "
+        "compiled graph allocates them, not op by op; measure the step (trainledger measure) for those regions",
+    )
+
+
+def _rank() -> dict[str, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    return {}

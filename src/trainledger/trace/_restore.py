@@ -1,0 +1,106 @@
+"""What a trace must give back: the weights, buffers, gradients, optimizer state and random-number state it found.
+
+:func:`trace` runs a warm-up step and the traced step on the user's live objects; both change the weights,
+the optimizer's moments and step counts, BatchNorm's running statistics and the generator's state. A
+:class:`TrainingState` taken before and restored after makes the trace invisible to the training it
+observes. Tensors are copied to the host (a device copy would double the device memory being measured)
+and written back in place, so references the user holds to parameters or optimizer state stay valid.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainledger.trace._tracer import local_tensor
+
+RESTORED_NOTE = (
+    "the model's weights, buffers and gradients, the optimizer's state and the random-number generators' state "
+    "were restored after the steps run to observe this one: training continues as if it had not been traced"
+)
+
+
+@dataclass
+class TrainingState:
+    """A host copy of everything a training step changes. Take it with :meth:`of`, put it back with
+    :meth:`restore`."""
+
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]
+    """``(live tensor, host copy)`` for parameters and buffers (their local shard for a ``DTensor``)."""
+    grads: list[tuple[nn.Parameter, torch.Tensor | None]]
+    optimizers: list[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]], list[dict[str, Any]]]]
+    """Per optimizer: its state per parameter (tensors as host copies) and its groups' settings."""
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+
+    @classmethod
+    def of(cls, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> TrainingState:
+        seen: set[int] = set()
+        tensors, grads = [], []
+        for module in modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    tensors.append((t, _host_copy(t)))
+                    if isinstance(t, nn.Parameter):
+                        grads.append((t, None if t.grad is None else _host_copy(t.grad)))
+        opts = [
+            (
+                opt,
+                {
+                    p: {k: _host_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
+                    for p, s in opt.state.items()
+                },
+                [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            )
+            for opt in optimizers
+        ]
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(tensors, grads, opts, torch.get_rng_state(), cuda)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for live, saved in self.tensors:
+            local_tensor(live).copy_(saved)
+        for p, g in self.grads:
+            if g is None:
+                p.grad = None
+            elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
+                local_tensor(p.grad).copy_(g)
+            else:
+                p.grad = g.to(p.device)
+        for opt, state, groups in self.optimizers:
+            _restore_optimizer(opt, state, groups)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    local = local_tensor(t)
+    return local.detach().to("cpu", copy=True)
+
+
+def _restore_optimizer(
+    opt: torch.optim.Optimizer, state: dict[Any, dict[str, Any]], groups: list[dict[str, Any]]
+) -> None:
+    for p in [p for p in opt.state if p not in state]:  # state the steps created lazily
+        del opt.state[p]
+    for p, saved in state.items():
+        live = opt.state[p]
+        for k in [k for k in live if k not in saved]:
+            del live[k]
+        for k, v in saved.items():
+            current = live.get(k)
+            if not isinstance(v, torch.Tensor):
+                live[k] = v
+            elif isinstance(current, torch.Tensor) and current.shape == v.shape and current.dtype == v.dtype:
+                local_tensor(current).copy_(v)
+            else:
+                live[k] = v.to(local_tensor(p).device)
+    for group, saved_group in zip(opt.param_groups, groups, strict=True):
+        group.update(saved_group)

@@ -1,0 +1,96 @@
+"""A hand-written training loop with what real loops carry: gradient accumulation over 4 micro-batches, a
+GradScaler, gradient clipping, a learning-rate scheduler, dropout. Built the same way every time from a seed.
+
+``python -m tests.record_loop oracle`` runs it under ``torch.profiler`` (``profile_memory=True``, started
+before anything is built) and prints, per step, the largest running sum of the profiler's allocation events
+inside the step; ``python -m tests.record_loop record`` runs it inside ``trainledger.record`` and prints each
+step's traced peak. A step is ``record``'s: from one optimizer step's return to the next one's. The two runs
+are separate processes, so the profiler's oracle shares nothing with the tracer.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACCUMULATION = 4
+NUM_STEPS = 4
+
+
+def build(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(ACCUMULATION * NUM_STEPS)]
+    return {
+        "model": model,
+        "opt": opt,
+        "sched": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        "scaler": torch.amp.GradScaler("cpu"),
+        "data": data,
+    }
+
+
+def train(model: nn.Module, opt: Any, sched: Any, scaler: Any, data: list[Any]) -> None:
+    for i, (x, y) in enumerate(data):
+        loss = F.cross_entropy(model(x), y) / ACCUMULATION
+        scaler.scale(loss).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+
+
+def oracle_peaks() -> list[int]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def boundary(*_args: Any) -> None:
+        with record_function("boundary"):
+            pass
+
+    gc.collect()
+    gc.disable()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run = build()
+        run["opt"].register_step_post_hook(boundary)
+        boundary()
+        train(**run)
+    gc.enable()
+    events = prof.profiler.kineto_results.events()
+    marks = sorted(e.start_ns() for e in events if e.name() == "boundary")
+    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    peaks = [0] * (len(marks) - 1)
+    live = 0
+    for e in mem:
+        live += e.nbytes()
+        for k in range(len(peaks)):
+            if marks[k] <= e.start_ns() <= marks[k + 1]:
+                peaks[k] = max(peaks[k], live)
+    return peaks
+
+
+def recorded_peaks() -> list[int]:
+    from trainledger import record
+
+    gc.collect()
+    gc.disable()
+    run = build()
+    with record(run["model"], run["opt"]) as rec:
+        train(**run)
+    gc.enable()
+    return [rec.ledger(step=k).peak().bytes for k in rec.steps]
+
+
+if __name__ == "__main__":
+    print(json.dumps(oracle_peaks() if sys.argv[1] == "oracle" else recorded_peaks()))

@@ -1,0 +1,99 @@
+"""The Trainer and Lightning callbacks on real runs of tiny models built here (no downloads): each records
+the chosen optimizer step, with its accumulated micro-batches, and writes a ledger and an HTML page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainledger import Category
+from trainledger.report.saved import open_saved
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+
+
+def check_written(ledger_path: Path, html_path: Path | None, *, micro_batches: int) -> None:
+    assert ledger_path.name == "rank-0.json" and ledger_path.parent.name == "step-1"
+    led = open_saved(ledger_path).result
+    phases = {ev.phase for ev in led.events}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert len([c for c in led.calls if c.path == "(root)"]) == micro_batches
+    assert led.select(category=Category.OPTIMIZER) and led.select(category=Category.GRADIENTS)
+    assert led.peak().bytes > 0
+    assert html_path is not None and html_path.stat().st_size > 1000
+    # a folder of per-rank ledgers is what `trainledger report DIR` compares
+    assert open_saved(ledger_path.parent).kind == "ranks"
+
+
+def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'trainledger[hf]'")
+    pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install 'trainledger[hf]'")
+    from trainledger.integrations.hf import TrainledgerCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (8, 12))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    callback = TrainledgerCallback(step=1)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    assert callback.written is not None
+    assert callback.written.ledger == tmp_path / "trainledger" / "step-1" / "rank-0.json"
+    check_written(callback.written.ledger, callback.written.html, micro_batches=2)
+
+
+def test_lightning_callback_records_a_step(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra: pip install 'trainledger[lightning]'")
+    from trainledger.integrations.lightning import TrainledgerCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    callback = TrainledgerCallback(step=1)
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert callback.written is not None
+    assert callback.written.ledger == tmp_path / "trainledger" / "step-1" / "rank-0.json"
+    check_written(callback.written.ledger, callback.written.html, micro_batches=2)

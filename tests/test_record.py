@@ -1,0 +1,204 @@
+"""``trainledger.record``: the user's own loop traced step by step, checked against the profiler's allocation
+events (a separate process) and against the same loop run without it (bitwise)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainledger
+from tests import record_loop
+from trainledger import Category, InputError, record
+from trainledger.report.saved import open_saved
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def state_of(run: dict[str, Any]) -> dict[str, Any]:
+    """Everything the loop changes, as plain values to compare bitwise."""
+    return {
+        "model": run["model"].state_dict(),
+        "opt": run["opt"].state_dict(),
+        "sched": run["sched"].state_dict(),
+        "scaler": run["scaler"].state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_bitwise(a: Any, b: Any, where: str = "") -> int:
+    """Compare nested state; returns how many tensors were compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+        return 1
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        return sum(assert_bitwise(a[k], b[k], f"{where}.{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        return sum(assert_bitwise(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
+    assert a == b, where
+    return 0
+
+
+def run_loop(recorded: bool, **kwargs: Any) -> tuple[dict[str, Any], Any]:
+    run = record_loop.build()
+    rec = None
+    if recorded:
+        with record(run["model"], run["opt"], **kwargs) as rec:
+            record_loop.train(**run)
+    else:
+        record_loop.train(**run)
+    return state_of(run), rec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [None, 2])
+def test_training_is_bitwise_unchanged_by_recording(steps: int | None) -> None:
+    plain, _ = run_loop(False)
+    recorded, rec = run_loop(True, steps=steps)
+    assert rec.steps == (tuple(range(record_loop.NUM_STEPS)) if steps is None else (2,))
+    assert assert_bitwise(plain, recorded) > 10  # weights, moments, steps, scaler's scale, RNG
+
+
+def test_a_small_loop_is_bitwise_unchanged() -> None:
+    def loop(recorded: bool) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        opt = torch.optim.AdamW(model.parameters())
+        with record(model, opt, steps=1) if recorded else contextlib.nullcontext():
+            for _ in range(3):
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state()}
+
+    assert assert_bitwise(loop(False), loop(True)) == 4 + 4 * 3 + 1
+
+
+@pytest.mark.slow
+def test_recorded_peaks_equal_the_allocators_within_a_tenth_of_a_percent() -> None:
+    def peaks(mode: str) -> list[int]:
+        out = subprocess.run(
+            [sys.executable, "-m", "tests.record_loop", mode], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    oracle, traced = peaks("oracle"), peaks("record")
+    assert len(oracle) == len(traced) == record_loop.NUM_STEPS
+    for step, (o, t) in enumerate(zip(oracle, traced, strict=True)):
+        assert abs(t - o) <= 0.001 * o, (step, o, t)
+
+
+@pytest.mark.slow
+def test_phases_accumulation_and_categories() -> None:
+    _, rec = run_loop(True, steps=1)
+    led = rec.ledger(step=1)
+    assert led.meta["step"] == 1 and led.meta["recorded"] is True
+    phases = [ev.phase for ev in led.events]
+    assert {"forward", "backward", "optimizer"} <= set(phases)
+    # four micro-batches: four calls of the model, each with its backward
+    roots = [c for c in led.calls if c.path == "(root)"]
+    assert len(roots) == record_loop.ACCUMULATION and all(c.backward_start is not None for c in roots)
+    # gradients are made by the first micro-batch's backward and persist until zero_grad
+    # (the last step's, alive as the step begins, go at its zero_grad, before the first forward)
+    grads = led.select(category=Category.GRADIENTS)
+    names = {n + ".grad" for n, p in record_loop.build()["model"].named_parameters()}
+    old, new = [g for g in grads if g.alloc_event is None], [g for g in grads if g.alloc_event is not None]
+    assert {g.name for g in old} == {g.name for g in new} == names
+    first_forward, first_backward = phases.index("forward"), phases.index("backward")
+    last_forward = len(phases) - 1 - phases[::-1].index("forward")
+    assert all(g.free_event is not None and g.free_event <= first_forward for g in old)
+    assert all(first_backward <= g.alloc_event < last_forward and g.free_event is None for g in new)
+    assert led.select(category=Category.ACTIVATIONS) and led.select(category=Category.OPTIMIZER)
+    assert rec.peak() == max((rec.ledger(step=k).peak() for k in rec.steps), key=lambda p: p.bytes)
+
+
+@pytest.mark.slow
+def test_save_writes_a_ledger_the_report_command_reads(tmp_path: Path) -> None:
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with record(model, opt) as rec:
+        for _ in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    path = rec.save(tmp_path / "run" / "step.json", step=1)
+    saved = open_saved(path).result
+    assert saved.peak() == rec.ledger(step=1).peak()
+    html = tmp_path / "step.html"
+    out = subprocess.run(
+        [sys.executable, "-m", "trainledger.cli", "report", str(path), "--html", str(html)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert html.stat().st_size > 1000
+
+
+def test_decorator_several_optimizers_and_save_on_cpu() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    first = torch.optim.Adam(model[0].parameters())
+    second = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    rec = trainledger.record(model, first, second)
+
+    @rec
+    def train() -> None:
+        for _ in range(3):
+            with torch.autograd.graph.save_on_cpu():
+                loss = model(torch.randn(16, 8)).square().mean()
+            loss.backward()
+            first.step()
+            second.step()  # the step ends once both have stepped
+            first.zero_grad()
+            second.zero_grad()
+
+    train()
+    assert rec.steps == (0, 1, 2)
+    led = rec.ledger(step=2)
+    # save_on_cpu's copies are held for backward: activations, though autograd's hooks were the user's
+    held = [e for e in led.select(category=Category.ACTIVATIONS) if e.role == "held_for_backward"]
+    assert held and all(e.free_event is not None for e in held)
+    assert {"exp_avg", "exp_avg_sq", "momentum_buffer"} <= {e.role for e in led.select(category=Category.OPTIMIZER)}
+
+
+def test_bad_input_says_how_to_fix_it() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="model first"):
+        record(opt, opt)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="needs the optimizer"):
+        record(model)
+    with pytest.raises(InputError, match="steps"):
+        record(model, opt, steps=-1)
+    with record(model, opt, steps=[5]) as rec:
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+    with pytest.raises(InputError, match="no step was recorded"):
+        rec.ledger()
+    with record(model, opt) as rec:
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+    with pytest.raises(InputError, match=r"recorded steps: \[0\]"):
+        rec.ledger(step=3)
+
+
+def test_an_error_in_the_loop_leaves_nothing_behind() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="boom"), record(model, opt) as rec:
+        model(torch.randn(1, 2)).sum().backward()
+        raise RuntimeError("boom")
+    assert _get_current_dispatch_mode() is None and not rec.running
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert rec.steps == ()
