@@ -7,13 +7,15 @@ Run from the repository root (each model in a fresh process, on one intra-op thr
     python -m benchmarks.trace_speed overhead main   # the same, and the same cases on git revision ``main``
     python -m benchmarks.trace_speed fake7b          # only the 7B fake trace
 
-Overhead, per model, medians over rounds run in one process (each round times every variant once, so load
-from other processes falls on all of them alike):
+Overhead, per model: CPU time of the process (``time.process_time``, so that other processes on a shared
+machine disturb it less than wall time), medians over rounds run in one process (each round times every
+variant once, so what load remains falls on all of them alike):
 
 - plain step: ``run_step`` alone;
 - no-op mode: the step under a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op —
   the floor any Python dispatch mode pays, before any bookkeeping;
-- traced step: the step inside ``trace()`` (our dispatch mode, saved-tensor hooks, module hooks);
+- traced step: the step inside ``trace()`` (our dispatch mode, saved-tensor hooks, module hooks), timed
+  around the ``run_step`` call that ``trace()`` makes under the tracer;
 - ``trace()``: the whole call (warm-up step, traced step, ledger, kernel-buffer probes); the first call of
   the process is shown apart, since it also runs the probes, which are cached per process after;
 - MemTracker: the step under ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same model
@@ -48,16 +50,16 @@ RESULTS = Path(__file__).parent / "results"
 
 MODELS = {
     "gpt-tiny": "built-in example: 4 blocks, width 64, sequence 64, batch 4",
-    "gpt-30ms": "gpt_tiny(n_embd=128, seq_len=128, batch_size=8): a step of about 30 ms here",
+    "gpt-mid": "gpt_tiny(n_embd=128, seq_len=128, batch_size=8): a step between the two",
     "gpt-small": "gpt_tiny(n_embd=256, n_head=8, seq_len=256, batch_size=8)",
 }
-ROUNDS = {"gpt-tiny": 9, "gpt-30ms": 7, "gpt-small": 5}
+ROUNDS = {"gpt-tiny": 9, "gpt-mid": 7, "gpt-small": 5}
 
 
 def build(name: str):
     from trainledger import examples
 
-    if name == "gpt-30ms":
+    if name == "gpt-mid":
         w = examples.gpt_tiny(n_embd=128, seq_len=128, batch_size=8)
     elif name == "gpt-small":
         w = examples.gpt_tiny(n_layer=4, n_embd=256, n_head=8, seq_len=256, batch_size=8)
@@ -68,9 +70,23 @@ def build(name: str):
 
 
 def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
+
+
+def _time_traced_steps(into: list[float]) -> None:
+    """Append the CPU time of every step ``trace()`` runs under its tracer (the one given ``on_phase``)."""
+    module = sys.modules["trainledger.trace"]
+    run_step = module.run_step
+
+    def timed(workload, **kwargs) -> None:
+        t0 = time.process_time()
+        run_step(workload, **kwargs)
+        if "on_phase" in kwargs:
+            into.append(time.process_time() - t0)
+
+    module.run_step = timed
 
 
 def overhead(name: str) -> dict:
@@ -104,26 +120,23 @@ def overhead(name: str) -> dict:
         with mt:
             run_step(w)
 
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "noop", "traced_step", "trace", "memtracker")}
+    _time_traced_steps(times["traced_step"])
     w = build(name)
     run_step(w)
-    t0 = time.perf_counter()
-    led = trace(w)
-    first = time.perf_counter() - t0
-    times: dict[str, list[float]] = {k: [] for k in ("plain", "noop", "traced_step", "trace", "memtracker")}
+    first = _timed(lambda: trace(w))
+    times["traced_step"].clear()
     memtracker_error = None
     for _ in range(ROUNDS.get(name, 5)):
         times["plain"].append(_timed(lambda: run_step(w)))
         times["noop"].append(_timed(under_noop))
-        t0 = time.perf_counter()
-        led = trace(w)
-        times["trace"].append(time.perf_counter() - t0)
-        times["traced_step"].append(led.meta["traced_step_seconds"])
+        times["trace"].append(_timed(lambda: trace(w)))
         if memtracker_error is None:
             try:
                 times["memtracker"].append(_timed(under_memtracker))
             except Exception as exc:  # report, do not hide: MemTracker fails on some models
                 memtracker_error = f"fails: {type(exc).__name__}"
-    out: dict = {"model": name, "events": led.num_events, "source": str(Path(trainledger.__file__).parent)}
+    out: dict = {"model": name, "events": trace(w).num_events, "source": str(Path(trainledger.__file__).parent)}
     out.update({f"{k}_s": statistics.median(v) for k, v in times.items() if v})
     out["trace_first_s"] = first
     if memtracker_error is not None:
@@ -187,7 +200,12 @@ def overhead_table(against: str | None = None) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_overhead_row(r, label) for label, r in rows]
-    lines += ["", *(f"- {m}: {what}" for m, what in MODELS.items())]
+    lines += [
+        "",
+        "Times are CPU time of the process (ms), medians over rounds; one intra-op thread.",
+        "",
+        *(f"- {m}: {what}" for m, what in MODELS.items()),
+    ]
     return lines
 
 
