@@ -1,14 +1,31 @@
-"""Tracing overhead vs the plain step, and a fake trace of a 7B-parameter GPT step.
+"""What tracing costs: per event, against the floor of any Python dispatch mode, and against MemTracker.
 
-Run from the repository root (each case in a fresh process, so peak memory is its own):
+Run from the repository root (each model in a fresh process, on one intra-op thread):
 
-    python -m benchmarks.trace_speed              # all cases; a Markdown table, benchmarks/results/
-    python -m benchmarks.trace_speed overhead     # only the real-step overhead
-    python -m benchmarks.trace_speed fake7b       # only the 7B fake trace
+    python -m benchmarks.trace_speed                 # all cases; a Markdown table, benchmarks/results/
+    python -m benchmarks.trace_speed overhead        # only the real-step overhead
+    python -m benchmarks.trace_speed overhead main   # the same, and the same cases on git revision ``main``
+    python -m benchmarks.trace_speed fake7b          # only the 7B fake trace
 
-Overhead: median over repeated runs, in one process, of the plain step, of the step under our tracer, and
-of the step under PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``). Ratios are the
-numbers to read; absolute times on a shared 2-core machine are noisy.
+Overhead, per model: CPU time of the process (``time.process_time``, so that other processes on a shared
+machine disturb it less than wall time), medians over rounds run in one process (each round times every
+variant once, so what load remains falls on all of them alike):
+
+- plain step: ``run_step`` alone;
+- no-op mode: the step under a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op —
+  the floor any Python dispatch mode pays, before any bookkeeping;
+- traced step: the step inside ``trace()`` (our dispatch mode, saved-tensor hooks, module hooks), timed
+  around the ``run_step`` call that ``trace()`` makes under the tracer;
+- ``trace()``: the whole call (warm-up step, traced step, ledger, kernel-buffer probes); the first call of
+  the process is shown apart, since it also runs the probes, which are cached per process after;
+- MemTracker: the step under ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same model
+  and optimizer.
+
+µs per event is the time beyond the plain step divided by the step's events (ops the tracer records);
+"above no-op" divides the time beyond the no-op mode instead: the part that is our own bookkeeping.
+``trace()`` per event is its time beyond two plain steps (the warm-up and the traced step run the step
+twice) per event. With a revision given, the same cases run on that revision's ``src/`` (extracted with
+``git archive``) in the same run, alternating with this tree's, and the table shows both.
 
 Fake 7B: a GPT of 32 layers, hidden 4096, 32 heads, vocabulary 32000, sequence 4096, micro-batch 1, bf16
 weights, AdamW, built under ``FakeTensorMode`` (nothing allocated). Wall time of the whole call and the
@@ -18,60 +35,178 @@ process's peak resident memory (``ru_maxrss``).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+MODELS = {
+    "gpt-tiny": "built-in example: 4 blocks, width 64, sequence 64, batch 4",
+    "gpt-mid": "gpt_tiny(n_embd=128, seq_len=128, batch_size=8): a step between the two",
+    "gpt-small": "gpt_tiny(n_embd=256, n_head=8, seq_len=256, batch_size=8)",
+}
+ROUNDS = {"gpt-tiny": 9, "gpt-mid": 7, "gpt-small": 5}
 
 
-def overhead(name: str, repeats: int = 7) -> dict:
-    import torch
-
+def build(name: str):
     from trainledger import examples
+
+    if name == "gpt-mid":
+        w = examples.gpt_tiny(n_embd=128, seq_len=128, batch_size=8)
+    elif name == "gpt-small":
+        w = examples.gpt_tiny(n_layer=4, n_embd=256, n_head=8, seq_len=256, batch_size=8)
+    else:
+        return examples.build(name)
+    w.name = name
+    return w
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def _time_traced_steps(into: list[float]) -> None:
+    """Append the CPU time of every step ``trace()`` runs under its tracer (the one given ``on_phase``)."""
+    module = sys.modules["trainledger.trace"]
+    run_step = module.run_step
+
+    def timed(workload, **kwargs) -> None:
+        t0 = time.process_time()
+        run_step(workload, **kwargs)
+        if "on_phase" in kwargs:
+            into.append(time.process_time() - t0)
+
+    module.run_step = timed
+
+
+def overhead(name: str) -> dict:
+    """Times of one model's step plain, under a no-op mode, traced, the whole ``trace()``, and MemTracker."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trainledger
     from trainledger.trace import trace
     from trainledger.workload import run_step
 
-    w = examples.build(name) if name in examples.EXAMPLES else _gpt_small()
-    run_step(w)
-    plain = _median_time(lambda: run_step(w), repeats)
-    traced = statistics.median(trace(w).meta["traced_step_seconds"] for _ in range(repeats))
-    memtracker = None
-    try:
+    torch.set_num_threads(1)
+
+    class NoOpMode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:  # as the tracer: no dynamo-disable wrapper per op
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def under_noop() -> None:
+        with NoOpMode():
+            run_step(w)
+
+    def under_memtracker() -> None:
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        def with_memtracker() -> None:
-            mt = MemTracker()
-            mt.track_external(w.model, w.get_optimizer())
-            with mt:
-                run_step(w)
+        mt = MemTracker()
+        mt.track_external(w.model, w.get_optimizer())
+        with mt:
+            run_step(w)
 
-        with_memtracker()
-        memtracker = _median_time(with_memtracker, repeats)
-    except Exception as exc:  # report, do not hide: MemTracker fails on some models
-        memtracker = f"fails: {type(exc).__name__}"
-    del torch
-    return {"model": name, "plain_s": plain, "traced_s": traced, "memtracker_s": memtracker}
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "noop", "traced_step", "trace", "memtracker")}
+    _time_traced_steps(times["traced_step"])
+    w = build(name)
+    run_step(w)
+    first = _timed(lambda: trace(w))
+    times["traced_step"].clear()
+    memtracker_error = None
+    for _ in range(ROUNDS.get(name, 5)):
+        times["plain"].append(_timed(lambda: run_step(w)))
+        times["noop"].append(_timed(under_noop))
+        times["trace"].append(_timed(lambda: trace(w)))
+        if memtracker_error is None:
+            try:
+                times["memtracker"].append(_timed(under_memtracker))
+            except Exception as exc:  # report, do not hide: MemTracker fails on some models
+                memtracker_error = f"fails: {type(exc).__name__}"
+    out: dict = {"model": name, "events": trace(w).num_events, "source": str(Path(trainledger.__file__).parent)}
+    out.update({f"{k}_s": statistics.median(v) for k, v in times.items() if v})
+    out["trace_first_s"] = first
+    if memtracker_error is not None:
+        out["memtracker_s"] = memtracker_error
+    return out
 
 
-def _gpt_small():
-    from trainledger.examples import gpt_tiny
+def _run(args: list[str], src: str | None = None) -> dict:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "benchmarks.trace_speed", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    w = gpt_tiny(n_layer=4, n_embd=256, n_head=8, seq_len=256, batch_size=8)
-    w.name = "gpt-small"
-    return w
+
+def _extract_src(revision: str, into: str) -> str:
+    """``src/`` of a git revision, unpacked under ``into``; returns the folder to put on ``sys.path``."""
+    archive = subprocess.run(["git", "archive", "--format=tar", revision, "src"], capture_output=True, check=True)
+    path = Path(into) / "archive.tar"
+    path.write_bytes(archive.stdout)
+    with tarfile.open(path) as tar:
+        tar.extractall(into, filter="data")
+    return str(Path(into) / "src")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _overhead_row(r: dict, label: str) -> str:
+    if "error" in r:
+        return f"| {label} | error: {r['error']} |" + " |" * 11
+    plain, n = r["plain_s"], r["events"]
+    mt = r.get("memtracker_s")
+    mt_ms, mt_ratio = (_ms(mt), f"{mt / plain:.2f}×") if isinstance(mt, float) else (str(mt), "")
+    return (
+        f"| {label} | {n:,} | {_ms(plain)} | {_ms(r['noop_s'])} ({r['noop_s'] / plain:.2f}×) | "
+        f"{_ms(r['traced_step_s'])} | {r['traced_step_s'] / plain:.2f}× | "
+        f"{(r['traced_step_s'] - plain) / n * 1e6:.1f} | {(r['traced_step_s'] - r['noop_s']) / n * 1e6:.1f} | "
+        f"{_ms(r['trace_s'])} | {(r['trace_s'] - 2 * plain) / n * 1e6:.1f} | {_ms(r['trace_first_s'])} | "
+        f"{mt_ms} | {mt_ratio} |"
+    )
+
+
+def overhead_table(against: str | None = None) -> list[str]:
+    rows: list[tuple[str, dict]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src = _extract_src(against, tmp) if against else None
+        for m in MODELS:
+            if src is not None:
+                rows.append((f"{m} ({against})", _run(["_overhead", m], src)))
+            rows.append((m, _run(["_overhead", m])))
+    (RESULTS / "trace_overhead.json").write_text(json.dumps([r for _, r in rows], indent=2) + "\n")
+    lines = [
+        "| model | events | plain step (ms) | no-op mode (ms) | traced step (ms) | ratio | µs/event | "
+        "µs/event above no-op | trace() (ms) | trace() µs/event beyond 2 plain steps | first trace() (ms) | "
+        "MemTracker step (ms) | MemTracker ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [_overhead_row(r, label) for label, r in rows]
+    lines += [
+        "",
+        "Times are CPU time of the process (ms), medians over rounds; one intra-op thread.",
+        "",
+        *(f"- {m}: {what}" for m, what in MODELS.items()),
+    ]
+    return lines
 
 
 def fake7b(mode: str) -> dict:
@@ -117,47 +252,29 @@ def fake7b(mode: str) -> dict:
     return out
 
 
-def _run(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.trace_speed", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def fake7b_table() -> list[str]:
+    rows = [_run(["_fake7b", m]) for m in ("plain", "trainledger", "memtracker")]
+    (RESULTS / "trace_fake7b.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = [
+        "| 7B GPT, fake tensors | wall time (s) | peak resident memory (GB) | peak found |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| ? | error: {r['error']} | | |")
+            continue
+        peak = f"{r['peak_bytes'] / 2**30:.1f} GiB" if "peak_bytes" in r else "—"
+        lines.append(f"| {r['case']} | {r['seconds']:.1f} | {r['max_rss_bytes'] / 1e9:.2f} | {peak} |")
+    return lines
 
 
-def main(which: str = "all") -> None:
+def main(which: str = "all", against: str | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
-    lines = []
+    lines: list[str] = []
     if which in ("all", "overhead"):
-        rows = [_run(["_overhead", m]) for m in ("gpt-tiny", "gpt-small", "cnn", "mlp")]
-        lines += [
-            "| model | plain step (ms, median) | traced step (ms, median) | ratio | MemTracker step (ms) | MemTracker ratio |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| ? | error: {r['error']} | | | | |")
-                continue
-            mt = r["memtracker_s"]
-            mt_ms, mt_ratio = (f"{mt * 1e3:.1f}", f"{mt / r['plain_s']:.2f}×") if isinstance(mt, float) else (mt, "")
-            lines.append(
-                f"| {r['model']} | {r['plain_s'] * 1e3:.1f} | {r['traced_s'] * 1e3:.1f} | "
-                f"{r['traced_s'] / r['plain_s']:.2f}× | {mt_ms} | {mt_ratio} |"
-            )
-        (RESULTS / "trace_overhead.json").write_text(json.dumps(rows, indent=2))
+        lines += overhead_table(against)
     if which in ("all", "fake7b"):
-        rows = [_run(["_fake7b", m]) for m in ("plain", "trainledger", "memtracker")]
-        lines += [
-            "",
-            "| 7B GPT, fake tensors | wall time (s) | peak resident memory (GB) | peak found |",
-            "|---|---:|---:|---:|",
-        ]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| ? | error: {r['error']} | | |")
-                continue
-            peak = f"{r['peak_bytes'] / 2**30:.1f} GiB" if "peak_bytes" in r else "—"
-            lines.append(f"| {r['case']} | {r['seconds']:.1f} | {r['max_rss_bytes'] / 1e9:.2f} | {peak} |")
-        (RESULTS / "trace_fake7b.json").write_text(json.dumps(rows, indent=2))
+        lines += ["", *fake7b_table()] if lines else fake7b_table()
     table = "\n".join(lines)
     (RESULTS / f"trace_speed_{which}.md").write_text(table + "\n")
     print(table)
@@ -170,4 +287,4 @@ if __name__ == "__main__":
     elif args and args[0] == "_fake7b":
         print(json.dumps(fake7b(args[1])))
     else:
-        main(args[0] if args else "all")
+        main(args[0] if args else "all", args[1] if len(args) > 1 else None)

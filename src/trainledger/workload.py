@@ -190,14 +190,21 @@ def _autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
-def quiet_gc() -> Iterator[None]:
+def quiet_gc(*, generation: int = 2) -> Iterator[None]:
     """Collect garbage first, then keep the cyclic collector paused for the duration.
 
     Garbage from earlier steps freed by the collector at a random moment inside a traced or measured
     step would otherwise show up (or not) in the allocator's counts; pausing it makes both repeatable.
+
+    Arguments:
+        generation: the oldest generation collected first (``gc.collect(generation)``). A full collection
+            (2) walks every object of the process, a quarter of a second with torch imported on a loaded
+            machine; the young ones (1) hold the garbage of the steps just run and cost under a
+            millisecond. Measured steps want the allocator's counts clean of all garbage; a trace counts
+            storages by their own lifetimes, so the pause alone makes it repeatable.
     """
     was_enabled = gc.isenabled()
-    gc.collect()
+    gc.collect(generation)
     gc.disable()
     try:
         yield

@@ -263,7 +263,7 @@ def _trace(
 
     scopes.open()
     try:
-        with quiet_gc(), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
+        with quiet_gc(generation=1), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
             with _user_errors("the traced step"):
                 start = time.perf_counter()
                 run_step(workload, on_phase=on_phase, on_loss=lambda loss: label_graph(loss, LOSS_SCOPE))

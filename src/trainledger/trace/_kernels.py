@@ -21,7 +21,6 @@ no random numbers are drawn.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from trainledger.ledger import Category, Entry, Evidence
-from trainledger.workload import profiler_stderr_filtered
+from trainledger.workload import profiler_stderr_filtered, quiet_gc
 
 KERNEL_INTERNAL = "kernel_internal"
 
@@ -188,10 +187,15 @@ def internal_bytes(calls: list[KernelCall]) -> dict[KernelCall, int]:
 
 def _measure(calls: list[KernelCall]) -> list[int]:
     """Run each call twice on zero-filled tensors under the profiler; the second run counts (a first run
-    may build and cache the kernel's plan)."""
+    may build and cache the kernel's plan). The cyclic collector is paused, so that no collection frees
+    anything inside a call's window; the calls' own tensors are freed by reference counting as they go."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profiler_stderr_filtered(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        profiler_stderr_filtered(),
+        quiet_gc(generation=1),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         for i, call in enumerate(calls):
             args, kwargs = call.arguments()
             with torch.set_grad_enabled(call.grad_enabled):
@@ -199,7 +203,6 @@ def _measure(calls: list[KernelCall]) -> list[int]:
                 with record_function(f"{_WINDOW}{i}"):
                     out = call.op(*args, **kwargs)
             del out, args, kwargs
-            gc.collect()
     events = prof.profiler.kineto_results.events()
     windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith(_WINDOW)}
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())

@@ -119,6 +119,12 @@ class ModuleScopes:
             self.calls[call].stop = self.clock()
         label_graph(output, name, call, stop=self._boundaries.pop())
 
+    def forward_scope(self) -> tuple[str, int]:
+        """The module path and call running now (``current`` and ``current_call`` in one call)."""
+        if self.stack:
+            return self.stack[-1], self._call_stack[-1]
+        return "", NO_CALL
+
     @property
     def current(self) -> str:
         return self.stack[-1] if self.stack else ""
@@ -211,4 +217,17 @@ def label_graph(output: Any, name: str, call: int = NO_CALL, *, stop: set[int] =
             meta[CALL_LABEL] = call
         elif not label.startswith(prefix):
             continue
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not hasattr(nxt, "variable"))
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not _is_accumulate_grad(nxt))
+
+
+_ACCUMULATES: dict[type, bool] = {}
+
+
+def _is_accumulate_grad(node: Any) -> bool:
+    """Whether an autograd node accumulates into a leaf (it has ``variable``); asked once per node type,
+    since ``hasattr`` on every other node raises and catches an AttributeError."""
+    kind = type(node)
+    found = _ACCUMULATES.get(kind)
+    if found is None:
+        found = _ACCUMULATES[kind] = hasattr(node, "variable")
+    return found

@@ -132,12 +132,12 @@ class StepTracer(TorchDispatchMode):
             if name != rec.name and name not in rec.aliases:
                 rec.aliases.append(name)
             return
-        self._track(t, key, name, category, role, alloc_event=None, owner=name)
+        self._track(t, t.untyped_storage(), name, category, role, alloc_event=None, owner=name)
 
     def _track(
         self,
         t: torch.Tensor,
-        key: int,
+        st: torch.UntypedStorage,
         name: str,
         category: Category | None,
         role: str,
@@ -145,7 +145,7 @@ class StepTracer(TorchDispatchMode):
         alloc_event: int | None,
         owner: str,
     ) -> _Storage:
-        st = t.untyped_storage()
+        key = st._cdata
         dtype, device = t.dtype, t.device
         rec = _Storage(
             name,
@@ -187,9 +187,8 @@ class StepTracer(TorchDispatchMode):
 
         FSDP2 frees and re-grows a unit's gathered parameters this way; its hooks report them here.
         """
-        key = storage_key(t)
         self.freed_outside_dispatch(t)  # the same storage grown again is a new allocation
-        self._track(t, key, name, category, role, alloc_event=len(self.ops), owner=self.scopes.current)
+        self._track(t, t.untyped_storage(), name, category, role, alloc_event=len(self.ops), owner=self.scopes.current)
 
     def freed_outside_dispatch(self, t: torch.Tensor) -> None:
         """A storage shrunk to nothing by ``untyped_storage().resize_(0)``: freed after the last event."""
@@ -205,59 +204,58 @@ class StepTracer(TorchDispatchMode):
     # --- the dispatch hook -------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        # Runs for every op of the step: what an op overload needs is read from its schema once (_OpInfo),
+        # and each tensor's storage is looked up once.
+        info = _OPS.get(func, _UNSEEN)
+        if info is _UNSEEN:
+            info = _op_info(func)
+        if info is None:  # not work on tensors: a metadata query, a profiler annotation
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        op = _OP_NAMES.get(func, _UNSEEN)
-        if op is _UNSEEN:
-            op = _op_name(func)
-        if op is None:  # not work on tensors: a metadata query, a profiler annotation
-            return func(*args, **kwargs)
+        op = info.name
         index = len(self.ops)
         phase = self.phase
         forward = phase == "forward"
+        inputs = _flat_tensors(args, kwargs) if info.flat else _tensors(args, kwargs)
         if forward:
-            module, call = self.scopes.current, self.scopes.current_call
+            module, call = self.scopes.forward_scope()
         else:
             module, call = self.scopes.backward_scope()
             if phase == "optimizer":  # the parameter this op updates, when it is one
-                module = self._updated_parameter(args, kwargs)
+                module = self._updated_parameter(inputs)
         self.ops.append((phase, op, module))
         self.event_calls.append(call)
-        if op in PROBED_OPS:
+        if info.probed:
             kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
             self.kernel_calls.append((index, op, module, kernel))
         storages = self.storages
-        for t in _tensors(args, kwargs):
+        for t in inputs:
             if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
-                key = t.untyped_storage()._cdata
-                if key not in storages:
+                if _storage_address(t) not in storages:
                     # existed before the step without being declared: captured in a closure, RNG state…
                     self._track(
-                        t, key, f"captured:{op}#{index}", Category.OTHER, "captured", alloc_event=None, owner=module
+                        t,
+                        t.untyped_storage(),
+                        f"captured:{op}#{index}",
+                        Category.OTHER,
+                        "captured",
+                        alloc_event=None,
+                        owner=module,
                     )
-        if forward:
-            for t in _written(func, args, kwargs):
+        if forward and info.written:
+            for t in _written(info.written, args, kwargs):
                 rec = storages.get(storage_key(t)) if _has_storage(t) else None
                 if rec is not None:
                     self.writes.append((index, rec))
         out = func(*args, **kwargs)
-        outputs = _tensors(out)
-        owners = self._output_owners(op, args, module, len(outputs)) if phase == "optimizer" else None
-        for j, t in enumerate(outputs):
-            if isinstance(t, _NO_STORAGE):
-                # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
-                # new when the op made it (an FSDP rank's optimizer temporaries)
-                t = t._local_tensor  # type: ignore[attr-defined]
-            if t.layout is _STRIDED:
-                key = t.untyped_storage()._cdata
-                if key not in storages:
-                    owner = module if owners is None else owners[j]
-                    self._track(t, key, f"{op}#{index}", None, "", alloc_event=index, owner=owner)
-        if self.fake and op in REAL_STORAGE_OPS:
+        if info.allocates or _NO_STORAGE:
+            self._outputs(op, index, module, args, out)
+        if self.fake and info.real_storage:
             kernel = KernelCall.of(func, args, kwargs)
             if kernel is not None:
                 outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
                 self.resized.append((kernel, outputs))
-        if func is _ADD and not forward and _same_meta(args, out):
+        if info.accumulation and not forward and _same_meta(args, out):
             a, b = args[0], args[1]
             self._accumulations.append(
                 _Accumulation(
@@ -271,18 +269,33 @@ class StepTracer(TorchDispatchMode):
             self._progress(phase, index)
         return out
 
+    def _outputs(self, op: str, index: int, module: str, args: tuple[Any, ...], out: Any) -> None:
+        """Track each output storage not seen before as allocated by this event."""
+        outputs = [out] if isinstance(out, torch.Tensor) else _tensors(out)
+        owners = self._output_owners(op, args, module, len(outputs)) if self.phase == "optimizer" else None
+        storages = self.storages
+        for j, t in enumerate(outputs):
+            if isinstance(t, _NO_STORAGE):
+                # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
+                # new when the op made it (an FSDP rank's optimizer temporaries)
+                t = t._local_tensor  # type: ignore[attr-defined]
+            if t.layout is _STRIDED and _storage_address(t) not in storages:
+                owner = module if owners is None else owners[j]
+                self._track(t, t.untyped_storage(), f"{op}#{index}", None, "", alloc_event=index, owner=owner)
+
     # --- the optimizer step, parameter by parameter ---------------------------------------------------
 
     def _parameter(self, t: torch.Tensor) -> str:
         """The parameter a tensor belongs to: itself, its gradient, its optimizer state or master copy, or
         a temporary the optimizer made for it; ``""`` for anything else."""
-        t = local_tensor(t)
-        rec = self.storages.get(storage_key(t)) if _has_storage(t) else None
+        if isinstance(t, _NO_STORAGE):
+            t = t._local_tensor  # type: ignore[attr-defined]
+        rec = self.storages.get(_storage_address(t)) if t.layout is _STRIDED else None
         return "" if rec is None else _parameter_of(rec)
 
-    def _updated_parameter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def _updated_parameter(self, inputs: list[torch.Tensor]) -> str:
         """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op)."""
-        names = {self._parameter(t) for t in _tensors(args, kwargs)}
+        names = {self._parameter(t) for t in inputs}
         names.discard("")
         return names.pop() if len(names) == 1 else ""
 
@@ -298,14 +311,14 @@ class StepTracer(TorchDispatchMode):
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if _has_storage(t):
-            rec = self.storages.get(storage_key(t))
+            rec = self.storages.get(_storage_address(t))
             if rec is not None:
                 rec.saved = True
         return t
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
         if _has_storage(t):
-            rec = self.storages.get(storage_key(t))
+            rec = self.storages.get(_storage_address(t))
             if rec is not None:
                 rec.last_use_event = len(self.ops) - 1 if self.ops else 0
         return t
@@ -475,9 +488,35 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
     return found
 
 
-_OP_NAMES: dict[Any, str | None] = {}  # per op overload: its name, or None for what is not work on tensors
+def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors among arguments that hold no lists of tensors (the schema says so: see ``_OpInfo.flat``)."""
+    found = [a for a in args if isinstance(a, torch.Tensor)]
+    if kwargs:
+        found += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _OpInfo:
+    """What the tracer needs to know about one op overload, read from its schema once."""
+
+    name: str
+    probed: bool
+    """Its kernel allocates buffers inside (:data:`PROBED_OPS`)."""
+    real_storage: bool
+    """Its CPU kernel returns another storage size than its meta kernel (:data:`REAL_STORAGE_OPS`)."""
+    written: tuple[tuple[int, str], ...]
+    """Arguments it writes in place: ``(position, name)``."""
+    flat: bool
+    """No argument is a list of tensors: its tensors are found without a recursive walk."""
+    allocates: bool
+    """Whether an output can have a storage not seen before (see ``_may_allocate``)."""
+    accumulation: bool
+    """``aten.add.Tensor``, which may be autograd accumulating two gradients (see ``_fold_accumulations``)."""
+
+
+_OPS: dict[Any, _OpInfo | None] = {}  # per op overload; None for what is not work on tensors
 _UNSEEN = object()
-_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
 # Ops that update running statistics in place although their schema does not say so (``Tensor?`` without
@@ -486,31 +525,56 @@ _UNANNOTATED_WRITES = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_n
 _RUNNING_STATS = ((3, "running_mean"), (4, "running_var"))
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors the op writes in place: arguments its schema marks ``Tensor(a!)``, and the running
-    statistics of BatchNorm's kernels in training."""
-    where = _WRITTEN.get(func)
-    if where is None:
-        where = _WRITTEN[func] = _write_positions(func)
-    if not where:
-        return []
-    if where is _RUNNING_STATS and not (args[5] if len(args) > 5 else kwargs.get("training", False)):
-        return []
-    return _tensors(*(args[i] if i < len(args) else kwargs.get(name) for i, name in where))
+def _op_info(func: Any) -> _OpInfo | None:
+    info = None
+    if func.namespace not in _NOT_OPS:
+        name = str(func).removesuffix(".default")
+        schema = getattr(func, "_schema", None)  # higher-order operators have none
+        arguments = schema.arguments if schema is not None else None
+        returns = schema.returns if schema is not None else None
+        info = _OpInfo(
+            name=name,
+            probed=name in PROBED_OPS,
+            real_storage=name in REAL_STORAGE_OPS,
+            written=_write_positions(schema) if schema is not None else (),
+            flat=arguments is not None
+            and all(str(a.type) in _SINGLE_TENSOR or "Tensor" not in str(a.type) for a in arguments),
+            allocates=returns is None or _may_allocate(schema),
+            accumulation=func is _ADD,
+        )
+    _OPS[func] = info
+    return info
 
 
-def _write_positions(func: Any) -> tuple[tuple[int, str], ...]:
-    if func._schema.name in _UNANNOTATED_WRITES:
+_SINGLE_TENSOR = frozenset({"Tensor", "Optional[Tensor]"})
+# In-place ops that point their argument at another storage: ``set_()`` gives it a new, empty one.
+_STORAGE_SWAPS = frozenset({"aten::set_"})
+
+
+def _may_allocate(schema: Any) -> bool:
+    """Whether an op's outputs can use a storage that none of its inputs uses. Not when every tensor it
+    returns aliases an argument (a view ``Tensor(a)``, or the argument an in-place op wrote,
+    ``Tensor(a!)``): its storage is the argument's, already tracked. Nor when it returns no tensor at all
+    (``_local_scalar_dense``, in-place ``_foreach`` ops). A third of a training step's ops are such."""
+    if schema.name in _STORAGE_SWAPS:
+        return True
+    return any("Tensor" in str(r.type) and r.alias_info is None for r in schema.returns)
+
+
+def _write_positions(schema: Any) -> tuple[tuple[int, str], ...]:
+    if schema.name in _UNANNOTATED_WRITES:
         return _RUNNING_STATS
     return tuple(
-        (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
     )
 
 
-def _op_name(func: Any) -> str | None:
-    name = None if func.namespace in _NOT_OPS else str(func).removesuffix(".default")
-    _OP_NAMES[func] = name
-    return name
+def _written(where: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors the op writes in place: arguments its schema marks ``Tensor(a!)``, and the running
+    statistics of BatchNorm's kernels in training."""
+    if where is _RUNNING_STATS and not (args[5] if len(args) > 5 else kwargs.get("training", False)):
+        return []
+    return _tensors(*(args[i] if i < len(args) else kwargs.get(name) for i, name in where))
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -535,6 +599,9 @@ def _dtensor_types() -> tuple[type, ...]:
 
 
 _STRIDED = torch.strided
+# The storage's identity, as ``storage_key`` (``untyped_storage()._cdata``) gives it, without making the
+# Python storage object: half the cost, for every tensor of every op.
+_storage_address = torch._C._storage_address
 # Sparse and nested tensors have no single storage; a DTensor wrapper holds no bytes of its own (its local
 # shard does, and the shard's own ops are dispatched separately). Refreshed when a tracer starts.
 _NO_STORAGE: tuple[type, ...] = ()
