@@ -136,11 +136,11 @@ def test_data_dependent_routing_is_verified_from_the_same_weights(cli_json):
     assert [r["path"] for r in d["regions"]] and all(r["path"].startswith("experts.") for r in d["regions"])
 
 
-def test_solver_names_on_the_command_line_match_the_solvers():
-    from trainledger.commands.plan import SOLVERS as ON_THE_COMMAND_LINE
-    from trainledger.remat.solvers import SOLVERS
+def test_solver_and_cost_names_on_the_command_line_match_the_library():
+    from trainledger.commands import plan
+    from trainledger.remat import COSTS, SOLVERS
 
-    assert ON_THE_COMMAND_LINE == SOLVERS
+    assert plan.SOLVERS == SOLVERS and plan.COSTS == COSTS
 
 
 def test_missing_scipy_is_one_line_with_the_install_hint(cli, monkeypatch):

@@ -11,10 +11,20 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainledger.errors import InputError
 from trainledger.examples import gpt_tiny
-from trainledger.remat import Plan, Region, structure_fingerprint
-from trainledger.remat.candidates import regions_of, replay
-from trainledger.remat.planner import InfeasibleBudget, Planner, parse_budget
-from trainledger.remat.solvers import brute_force, chain_savings, solve_dp, solve_milp
+from trainledger.remat import (
+    Budget,
+    InfeasibleBudget,
+    Plan,
+    Planner,
+    Region,
+    brute_force,
+    chain_savings,
+    regions_of,
+    replay,
+    solve_dp,
+    solve_milp,
+    structure_fingerprint,
+)
 from trainledger.trace import trace
 from trainledger.workload import call_model
 
@@ -61,11 +71,14 @@ def test_linear_model_adds_exactly(planner):
     cs, model = planner.candidates, planner.model
     rng = random.Random(0)
     n = len(cs.candidates)
+    num_checked = 0
     for _ in range(25):
         choice = [j for j in range(n) if rng.random() < 0.4]
         if not model.compatible(choice):
             continue
         assert model.peak(choice) == replay(cs, choice).peak().bytes
+        num_checked += 1
+    assert num_checked >= 5, f"only {num_checked} of 25 random plans were compatible"
 
 
 def test_predicted_peaks_match_the_retraced_step():
@@ -131,13 +144,13 @@ def test_uniform_and_sqrt_n_are_in_the_plan_space(planner):
     [("50%", 500), ("12.5%", 125), ("2KiB", 2048), ("1e3", 1000), (4096, 4096)],
 )
 def test_budget_parsing(text, expected):
-    assert parse_budget(text, 1000) == expected
+    assert Budget.parse(text).resolve(1000) == expected
 
 
 @pytest.mark.parametrize("text", ["lots", "-5%", "0%", "%", "5 parsecs", "-1GiB"])
 def test_bad_budgets(text):
     with pytest.raises(InputError, match="budget"):
-        parse_budget(text, 1000)
+        Budget.parse(text)
 
 
 def test_percentages_are_of_the_traced_peak(planner):

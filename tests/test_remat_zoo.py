@@ -12,9 +12,7 @@ from torch import nn
 
 from tests.zoo import ZOO, shared_block, stateful_cnn, wrapped
 from trainledger.errors import InputError
-from trainledger.remat import Plan, Region, structure_fingerprint, verify
-from trainledger.remat._verify import compare_state
-from trainledger.remat.planner import Planner
+from trainledger.remat import Plan, Planner, Region, compare_state, structure_fingerprint, verify
 
 _PLANNERS: dict[str, Planner] = {}
 

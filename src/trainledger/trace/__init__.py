@@ -22,6 +22,7 @@ from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, 
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
+from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._tracer import ProgressFn, StepTracer
@@ -30,10 +31,13 @@ from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workl
 __all__ = [
     "KERNEL_INTERNAL",
     "PROBED_OPS",
+    "ForwardRecord",
     "KernelCall",
     "MeasuredStep",
+    "StorageRecord",
     "TraceReport",
     "kernel_internal_bytes",
+    "record_forward",
     "trace",
 ]
 
