@@ -16,7 +16,7 @@ its plans on the traced step; and it times the chain DP on a 96-block chain.
 
 Needs the ``sac`` extra for PyTorch's SAC MILP (``pip install 'trainledger[sac]'``).
 
-Run:  python -m benchmarks.remat_quality [--budgets 8] [--plots docs]
+Run:  python benchmarks/remat_quality.py [--budgets 8] [--plots docs]
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.torch_sac import with_torch_sac
+try:
+    from benchmarks.torch_sac import with_torch_sac
+except ModuleNotFoundError:  # run as a script (python benchmarks/remat_quality.py): its folder is on the path
+    from torch_sac import with_torch_sac  # type: ignore[no-redef]
 from trainledger.examples import gpt_tiny, unet_small
 from trainledger.remat import Chain, LinearModel, pareto, solve_dp, solve_milp, uniform_chain_model
 from trainledger.report.plot import plot_pareto

@@ -36,7 +36,7 @@ our candidates are replayed on our traced ledger, so both are compared on the sa
 
 A benchmark, not part of the library: it needs the ``sac`` extra (``pip install 'trainledger[sac]'``).
 
-Run:  python -m benchmarks.torch_sac --model gpt-tiny [--budgets 8] [--json]
+Run:  python benchmarks/torch_sac.py --model gpt-tiny [--budgets 8] [--json]
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         gap = f"optimality gap {100 * p.gap:.2f}%"
     lines = [
         f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured "
-        "(ops up to each region's early stop, medians of repeated single-thread runs)",
+        "(ops up to each region's early stop, medians of repeated single-thread runs)"
+        if p.extra_flops is not None and p.extra_seconds is not None
+        else "extra compute: not saved with the plan",
         f"solver: {p.solver}, {gap}" + (f"; LP lower bound {p.lp_bound:.4g}" if p.lp_bound is not None else ""),
         "floor: the lowest peak any plan reaches here is "
         + (f"{p.floor_bytes:,} bytes ({both_units(p.floor_bytes)})" if p.floor_bytes is not None else "not saved")

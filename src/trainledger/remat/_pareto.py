@@ -25,7 +25,7 @@ from trainledger.workload import Workload, require_workload
 PARETO_SCHEMA = "trainledger.remat-pareto/1"
 SAC_NOT_RUN: dict[str, Any] = {
     "ran": False,
-    "summary": "not run here: a benchmark (python -m benchmarks.torch_sac; pip install 'trainledger[sac]')",
+    "summary": "not run here: a benchmark (python benchmarks/torch_sac.py; pip install 'trainledger[sac]')",
 }
 """PyTorch's SAC MILP beside our plans is a benchmark, with its own extra (``pulp``, ``pwlf``)."""
 
