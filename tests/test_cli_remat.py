@@ -22,6 +22,7 @@ def small_gpt(tmp_path) -> str:
     return f"{f}:small"
 
 
+@pytest.mark.slow
 def test_plan_json_has_the_common_keys_and_fits(cli_json, tmp_path, small_gpt):
     saved = tmp_path / "plan.json"
     d = cli_json("plan", "--model", small_gpt, "--budget", "80%", "--save", str(saved))
@@ -33,6 +34,7 @@ def test_plan_json_has_the_common_keys_and_fits(cli_json, tmp_path, small_gpt):
     assert [r.path for r in plan.regions] == [r["path"] for r in d["regions"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["100%", "250%", "1e15", "900TiB"])
 def test_a_budget_the_plain_step_meets_recomputes_nothing(cli_json, small_gpt, budget):
     d = cli_json("plan", "--model", small_gpt, "--budget", budget)
@@ -58,6 +60,7 @@ def test_plan_verify_json(cli_json):
     assert d["peak"]["bytes"] == v["traced_peak_bytes"] and d["evidence"] == "traced"
 
 
+@pytest.mark.slow
 def test_pareto_json(cli_json, tmp_path, small_gpt):
     plot = tmp_path / "curve.png"
     d = cli_json("pareto", "--model", small_gpt, "--budgets", "4", "--plot", str(plot))

@@ -81,6 +81,7 @@ def test_linear_model_adds_exactly(planner):
     assert num_checked >= 5, f"only {num_checked} of 25 random plans were compatible"
 
 
+@pytest.mark.slow
 def test_predicted_peaks_match_the_retraced_step():
     w = gpt_tiny(n_layer=2)
     p = Planner.build(w)
@@ -147,6 +148,14 @@ def test_budget_parsing(text, expected):
     assert Budget.parse(text).resolve(1000) == expected
 
 
+def test_a_budget_is_parsed_once_into_a_typed_value():
+    b = Budget.parse("60%")
+    assert b == Budget(percent=60.0) and Budget.parse(b) is b
+    assert Budget.parse("2KiB") == Budget(nbytes=2048)
+    with pytest.raises(InputError, match="is a float"):
+        Budget.parse(0.5)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("text", ["lots", "-5%", "0%", "%", "5 parsecs", "-1GiB"])
 def test_bad_budgets(text):
     with pytest.raises(InputError, match="budget"):
@@ -159,6 +168,7 @@ def test_percentages_are_of_the_traced_peak(planner):
     assert p.predicted_peak_bytes <= p.budget_bytes
 
 
+@pytest.mark.slow
 def test_unet_with_skip_connections_plan_verified():
     """A U-Net is not a transformer chain: encoder outputs are kept for the decoder. The plan still
     replays exactly enough to land within 1% of the re-traced peak, with bitwise-equal gradients

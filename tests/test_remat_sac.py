@@ -30,6 +30,7 @@ def comparison(planner):
     return sac_compare(planner, budgets)
 
 
+@pytest.mark.slow
 def test_module_info_parameter_bytes_are_each_modules_own(planner, comparison):
     model = planner.workload.model
     root = type(model).__name__
@@ -48,6 +49,7 @@ def test_module_info_parameter_bytes_are_each_modules_own(planner, comparison):
             assert m["sac_memory"] > 0 and m["sac_runtime"] > 0 and len(m["slopes"]) == m["n_segments"]
 
 
+@pytest.mark.slow
 def test_module_info_leaves_weights_as_traced(planner):
     before = {k: v.clone() for k, v in planner.workload.model.state_dict().items()}
     module_info(planner)
@@ -55,6 +57,7 @@ def test_module_info_leaves_weights_as_traced(planner):
     assert all(before[k].equal(after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_plans_respect_their_own_budget_by_their_own_accounting(comparison):
     info = comparison.module_info
     graph = parse_module_info(copy.deepcopy(info))
@@ -72,6 +75,7 @@ def test_plans_respect_their_own_budget_by_their_own_accounting(comparison):
     assert num_checked > 0, "no feasible plan to check"
 
 
+@pytest.mark.slow
 def test_empty_plan_is_its_baseline_and_leaves_out_the_optimizer(planner, comparison):
     graph = parse_module_info(copy.deepcopy(comparison.module_info))
     baseline, _ = get_peak_memory_runtime_baseline(graph)
@@ -100,6 +104,7 @@ def test_sac_cell():
     assert sac_cell({**row, "feasible": False}) == "infeasible"
 
 
+@pytest.mark.slow
 def test_pareto_says_what_to_install_when_missing(planner, monkeypatch):
     import benchmarks.torch_sac as sac
 
