@@ -73,6 +73,7 @@ def test_pareto_json(cli_json, tmp_path, small_gpt):
     assert plot.stat().st_size > 1000 and d["written"] == [str(plot)]
 
 
+@pytest.mark.slow
 def test_impossible_budget_is_exit_2_with_the_floor(cli, small_gpt):
     code, out, err = cli("plan", "--model", small_gpt, "--budget", "1KiB")
     assert code == 2
@@ -121,6 +122,7 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_plan_file_round_trips_through_json(tmp_path, cli, small_gpt):
     saved = tmp_path / "p.json"
     code, _, err = cli("plan", "--model", small_gpt, "--budget", "90%", "--save", str(saved))
