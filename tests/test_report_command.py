@@ -187,7 +187,7 @@ def test_pareto_round_trip(tmp_path, cli):
 
 
 @pytest.mark.slow
-def test_pareto_with_pytorch_sac_round_trip(tmp_path, cli):
+def test_pareto_command_output_round_trips(tmp_path, cli):
     from trainledger.commands import pareto as pareto_cmd
 
     path, original, _ = _saved(cli, tmp_path, "p.json", "pareto", "--model", "gpt-tiny", "--budgets", "3")
