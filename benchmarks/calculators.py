@@ -28,8 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from trainledger.analytic import Setup, arch_from_config, num_params, param_tensors
-from trainledger.analytic._estimate import estimate
+from trainledger.analytic import Setup, arch_from_config, estimate, num_params, param_tensors
 from trainledger.shard import ShardConfig, shard
 
 FIXTURES = Path(__file__).parent.parent / "tests" / "fixtures" / "hf"

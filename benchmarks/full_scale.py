@@ -75,8 +75,7 @@ def child(config: Path, mb: int, seq: int, recipe: str, mode: str) -> dict:
 
 
 def analytic(config: Path, mb: int, seq: int, recipe: str) -> tuple[int, int]:
-    from trainledger.analytic import Setup
-    from trainledger.analytic._estimate import estimate
+    from trainledger.analytic import Setup, estimate
 
     r = estimate(config, Setup(micro_batch=mb, seq_len=seq, recipe=recipe, device="cpu"))  # type: ignore[arg-type]
     return r.ledger.peak().bytes, r.num_params

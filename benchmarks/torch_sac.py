@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainledger.commands.pareto import render
     from trainledger.remat import pareto
     from trainledger.report.terminal import make_console
-    from trainledger.workload import load_workload
+    from trainledger.sources import load_workload
 
     parser = argparse.ArgumentParser(description="trainledger pareto with PyTorch's SAC MILP at the same budgets")
     parser.add_argument("--model", default="gpt-tiny", help="a built-in example's name or file.py:factory")

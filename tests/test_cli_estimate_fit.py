@@ -92,6 +92,7 @@ def test_fit_answers_with_configurations_that_fit(cli_json):
     assert all(c["peak_bytes"] > usable and c["overflow_bytes"] == c["peak_bytes"] - usable for c in d["does_not_fit"])
     costs = [c["relative_cost"] for c in d["fits"]]
     assert costs[0] == 1.0 and costs == sorted(costs)
+    assert all(c["relative_cost"] is None for c in d["does_not_fit"])  # no cost compared, none claimed
     assert d["num_params"] == 8_030_261_248 and d["evidence"] == "analytic"
 
 

@@ -49,6 +49,7 @@ def test_human_table_names_units_and_exclusions(cli):
     assert "12.00 GB" in out and "GiB = 2^30" in out and "excluded" in out
 
 
+@pytest.mark.slow  # traces a real GPT step
 def test_demo_runs(cli):
     code, out, err = cli("demo")
     assert code == 0, err

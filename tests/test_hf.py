@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from trainledger.analytic import Setup, arch_from_config, num_params
-from trainledger.analytic._model import analytic_ledger
+from trainledger.analytic import Setup, analytic_ledger, arch_from_config, num_params
 from trainledger.errors import InputError
 
 pytest.importorskip("transformers")
 
-from trainledger.hf import apply_lora, build_model, load_hf_config, workload_from_hf_config
+from trainledger.hf import apply_lora, build_model, load_hf_config, workload_from_hf_config, workload_from_setup
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 SMALL = sorted(FIXTURES.glob("*-small.json"))
@@ -80,6 +79,27 @@ def test_lora_targets_that_match_nothing_say_what_exists():
 def test_bad_workload_options(kwargs, fragment):
     with pytest.raises(InputError, match=fragment):
         workload_from_hf_config(FIXTURES / "llama-small.json", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "setup, fragment",
+    [
+        (Setup(tensor_parallel=2), "tensor and pipeline parallelism are modelled by the analytic estimate"),
+        (Setup(pipeline_parallel=2), "tensor and pipeline parallelism are modelled by the analytic estimate"),
+        (Setup(remat="selective"), "unknown rematerialization 'selective' for a traced model"),
+    ],
+)
+def test_a_setup_a_traced_step_cannot_run_is_refused_before_building(setup, fragment):
+    with pytest.raises(InputError, match=fragment):
+        workload_from_setup(FIXTURES / "llama-small.json", setup, fake=True)
+
+
+def test_a_setup_builds_the_workload_its_keywords_build():
+    cfg = FIXTURES / "gpt2-small.json"
+    by_setup = workload_from_setup(cfg, Setup(micro_batch=2, seq_len=16, lora_rank=4), fake=True)
+    by_keywords = workload_from_hf_config(cfg, micro_batch=2, seq_len=16, lora_rank=4, lora_targets=None, fake=True)
+    assert by_setup.name == by_keywords.name == "gpt2:gpt2-small+lora4"
+    assert [n for n, _ in by_setup.model.named_parameters()] == [n for n, _ in by_keywords.model.named_parameters()]
 
 
 def test_gpt2_positions_limit_the_sequence():

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from trainledger.shard.launch import RunConfig, run
-from trainledger.workload import Workload, load_workload
+from trainledger.sources import load_workload
+from trainledger.workload import Workload
 
 MODELS = Path(__file__).parent / "fixtures" / "shard_models.py"
 

@@ -34,6 +34,7 @@ def test_human_table(cli):
     assert "excludes" in out
 
 
+@pytest.mark.slow  # traces a real model
 def test_traced_model_prediction(cli_json):
     d = cli_json("shard", "--model", "mlp", "--world", "2", "--stage", "1")
     assert d["evidence"] == "traced"

@@ -10,16 +10,16 @@ import torch.distributed as dist
 from trainledger.examples import gpt_tiny, mlp, moe
 from trainledger.shard import shard
 from trainledger.shard._observe import CollectiveCounter
-from trainledger.shard.launch import _units_of, late_units
+from trainledger.shard.launch import late_units, units_of
 
 
 def test_late_units_are_those_fed_without_grad():
     w = mlp()  # the first layer takes the batch; the others take activations
-    assert late_units(w, _units_of(w.model)) == ("inner.0",)
+    assert late_units(w, units_of(w.model)) == ("inner.0",)
     w = gpt_tiny()  # blocks take the embeddings' output
-    assert late_units(w, _units_of(w.model)) == ()
+    assert late_units(w, units_of(w.model)) == ()
     w = moe()  # each expert takes x[rows], an index into the batch
-    assert late_units(w, _units_of(w.model)) == ("experts.0", "experts.1", "experts.2", "experts.3")
+    assert late_units(w, units_of(w.model)) == ("experts.0", "experts.1", "experts.2", "experts.3")
 
 
 @pytest.fixture
@@ -68,6 +68,7 @@ def _optimizer_temporaries(ledger):
     )
 
 
+@pytest.mark.slow  # traces a real model under FSDP2 on a gloo group
 def test_fsdp_optimizer_temporaries_are_traced(one_rank_group):
     """FSDP2's optimizer runs on DTensors, whose own ops run below the tracer: their outputs are traced by
     their local tensors. One rank holds everything, so its temporaries are the plain step's."""
@@ -104,3 +105,10 @@ def test_settled_collectives_pause_after_each_wait_and_restore(one_rank_group):
         dist.all_reduce(t, async_op=True).wait()
         assert time.perf_counter() - start >= 0.05
     assert Work.wait is original and t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_phase_seconds_lists_only_the_phases_measured():
+    from trainledger.shard.launch import PhaseSeconds
+
+    seconds = PhaseSeconds(forward=1.5, backward=2.5, optimizer=None, zero_grad=0.25)
+    assert seconds.measured() == {"forward": 1.5, "backward": 2.5, "zero_grad": 0.25}

@@ -1,7 +1,7 @@
 """Identical ranks are computed once: checked against every rank computed on its own.
 
 The transform used to build one ledger per rank; it now builds one per class of identical ranks. The
-oracle is the per-rank computation itself (``_Context.rank_ledger``), run for every rank of small
+oracle is the per-rank computation itself (``rank_ledger``), run for every rank of small
 worlds: each rank's ledger must be exactly the one of its class.
 """
 
@@ -16,15 +16,17 @@ from hypothesis import strategies as st
 
 from tests.test_shard_transform import _traced, paper_ledger
 from trainledger.declared import StateSpec, declared_ledger
-from trainledger.shard import STRATEGIES, ShardConfig, greedy_owners, shard, shard_rows
+from trainledger.shard import ENGINES, STRATEGIES, ShardConfig, greedy_owners, shard, shard_rows
+from trainledger.shard._config import plan_for
+from trainledger.shard._context import Context
 from trainledger.shard._partition import rank_boundaries
-from trainledger.shard.transform import ENGINES, _Context, plan_for
+from trainledger.shard._transform import rank_ledger
 
 
 def _every_rank_alone(ledger, config):
     res = shard(ledger, config)
-    ctx = _Context(ledger, config, plan_for(config), res.units)
-    return res, [ctx.rank_ledger(r) for r in range(config.world_size)]
+    ctx = Context(ledger, config, plan_for(config), res.units)
+    return res, [rank_ledger(ctx, r) for r in range(config.world_size)]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -21,9 +21,10 @@ from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkp
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, Payload, Peak
 from trainledger.measure import Measurement, measure
 from trainledger.shard import ShardConfig, ShardResult, shard
+from trainledger.sources import load_workload
 from trainledger.state import StateResult, spec_state, workload_state
 from trainledger.trace import trace
-from trainledger.workload import Workload, load_workload, run_step
+from trainledger.workload import Workload, run_step
 
 # The planner needs numpy and scipy (the ``solve`` extra): imported on first use, so ``import trainledger``
 # works without them and the error, if any, says how to install them.
@@ -35,10 +36,10 @@ def __getattr__(name: str) -> object:
         from trainledger import remat
 
         return getattr(remat, _LAZY[name])
-    if name == "workload_from_hf_config":
-        from trainledger.hf import workload_from_hf_config
+    if name in ("workload_from_hf_config", "workload_from_setup"):  # transformers is imported on first use
+        from trainledger import hf
 
-        return workload_from_hf_config
+        return getattr(hf, name)
     raise AttributeError(f"module 'trainledger' has no attribute {name!r}")
 
 
@@ -77,5 +78,6 @@ __all__ = [
     "spec_state",
     "trace",
     "workload_from_hf_config",
+    "workload_from_setup",
     "workload_state",
 ]

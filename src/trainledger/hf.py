@@ -13,6 +13,9 @@ The model is built
   built that way in its own mode);
 - on the CPU, for real, for small configs (the tests compare the fake and the real trace).
 
+The training step is the one :class:`trainledger.analytic.Setup` describes (:func:`workload_from_setup`),
+so a traced step and its analytic estimate are read from the same, once-validated description.
+
 ``transformers`` is an optional dependency: ``pip install 'trainledger[hf]'``.
 """
 
@@ -32,25 +35,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainledger.analytic._config import ArchSpec, arch_from_config, load_config_file, normalized_config
-from trainledger.checks import MAX_MICRO_BATCH, MAX_SEQ_LEN, whole_number
+from trainledger.analytic import (
+    ArchSpec,
+    Setup,
+    arch_from_config,
+    check_positions,
+    load_config_file,
+    lora_targets,
+    normalized_config,
+    num_params,
+)
+from trainledger.checks import instance_of, whole_number
 from trainledger.errors import InputError
 from trainledger.workload import Workload
 
-Recipe = Literal["bf16-master", "bf16", "fp32"]
 AttnImpl = Literal["eager", "sdpa"]
 Device = Literal["meta", "cpu", "fake"]
 
-RECIPES: dict[str, tuple[torch.dtype, bool]] = {
-    "bf16-master": (torch.bfloat16, True),  # bf16 weights and gradients, fp32 master copy and moments
-    "bf16": (torch.bfloat16, False),  # everything bf16, moments too
-    "fp32": (torch.float32, False),
-}
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
-DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("c_attn",),
-    "gpt_neox": ("query_key_value",),
-}
 _DROPPED_KEYS = (
     "auto_map",
     "quantization_config",
@@ -170,12 +171,6 @@ def build_model(
     return model
 
 
-def num_params(spec: ArchSpec) -> int:
-    from trainledger.analytic._params import num_params as _n
-
-    return _n(spec)
-
-
 # --- LoRA ---------------------------------------------------------------------------------------------
 
 
@@ -225,21 +220,16 @@ def apply_lora(model: nn.Module, rank: int, targets: Sequence[str]) -> list[str]
 # --- optimizers ---------------------------------------------------------------------------------------
 
 
-def optimizer_factory(name: str, recipe: Recipe) -> Any:
-    """A factory of the trainable parameters for ``name`` under ``recipe`` (master copies for bf16-master)."""
-    if name not in OPTIMIZERS:
-        raise InputError(f"unknown optimizer {name!r}; accepted: {', '.join(OPTIMIZERS)}")
-    if recipe not in RECIPES:
-        raise InputError(f"unknown precision recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
-    lr = 1e-4
+def optimizer_factory(setup: Setup) -> Any:
+    """A factory of the trainable parameters for the setup's optimizer and recipe (master copies for
+    bf16-master, which :class:`~trainledger.analytic.Setup` allows with AdamW and Adam only)."""
+    name, lr = setup.optimizer, 1e-4
 
     def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = list(params)
-        if recipe == "bf16-master":
+        if setup.master_dtype:
             from trainledger.examples import AdamWWithMasterWeights
 
-            if name not in ("adamw", "adam"):
-                raise InputError(f"the bf16-master recipe is modelled with AdamW/Adam, not {name!r}")
             return AdamWWithMasterWeights(params, lr=lr, weight_decay=0.01 if name == "adamw" else 0.0)
         if name == "adamw":
             return torch.optim.AdamW(params, lr=lr)
@@ -318,45 +308,62 @@ def _check_fits_in_memory(cfg: HFConfig, dtype: torch.dtype, *, copies: int) -> 
         )
 
 
-def workload_from_hf_config(
-    path: str | Path | dict[str, Any],
-    *,
-    micro_batch: int = 1,
-    seq_len: int = 2048,
-    recipe: Recipe = "bf16-master",
-    optimizer: str = "adamw",
-    attn_impl: AttnImpl = "sdpa",
-    lora_rank: int = 0,
-    lora_targets: Sequence[str] | None = None,
-    reference: bool = False,
-    fake: bool = False,
-    remat: Literal["none", "full"] = "none",
-    remat_every: int = 1,
-    seed: int = 0,
+def workload_from_setup(
+    config: str | Path | dict[str, Any] | HFConfig, setup: Setup, *, fake: bool = False, seed: int = 0
 ) -> Workload:
-    """One training step of a Hugging Face architecture, ready for :func:`trainledger.trace.trace`.
+    """One training step of a Hugging Face architecture, as ``setup`` describes it, ready for
+    :func:`trainledger.trace.trace`.
 
     Arguments:
-        path: a local ``config.json``, a folder holding one, or the config as a dict.
-        micro_batch: sequences per step (per DPO side with ``reference``).
-        seq_len: tokens per sequence.
-        recipe: ``bf16-master`` (bf16 weights and gradients, fp32 master copy and moments),
-            ``bf16`` (everything bf16), or ``fp32``.
-        optimizer: ``adamw``, ``adam``, ``sgd`` or ``sgd-momentum``.
-        attn_impl: ``eager`` or ``sdpa``.
-        lora_rank: with ``lora_rank > 0`` the base is frozen and ``lora_targets`` get rank-``r`` adapters.
-        lora_targets: last names of the linears to adapt (default ``q_proj, v_proj``; GPT-2 ``c_attn``;
-            GPT-NeoX ``query_key_value``).
-        reference: add a frozen reference copy of the model and train with the DPO loss on
-            ``micro_batch`` chosen and ``micro_batch`` rejected sequences.
+        config: a local ``config.json``, a folder holding one, the config as a dict, or a loaded config.
+        setup: the step (validated by :class:`~trainledger.analytic.Setup`): micro-batch (per DPO side
+            with ``reference``), sequence length, precision recipe, optimizer, attention implementation,
+            LoRA rank and targets, a DPO reference, and ``remat="full"`` (transformers' own non-reentrant
+            gradient checkpointing of every ``remat_every``-th decoder layer). Its tensor, sequence and
+            pipeline parallelism and ``selective`` recomputation are the analytic model's alone.
         fake: build everything under ``FakeTensorMode`` (full size, nothing allocated); trace it with
             ``trace(workload, fake=True)``.
-        remat: ``full`` checkpoints every decoder layer (transformers' own gradient checkpointing,
-            non-reentrant): each layer keeps its input and recomputes the rest in backward.
-        remat_every: with ``full``, checkpoint layers ``0, k, 2k…`` only.
+        seed: seeds the weights and the batch of a real build.
 
     The batch is random token ids; with the plain causal-LM loss it is ``{"input_ids", "labels"}`` and
     the model's own (shifted, fp32-upcast) cross-entropy is the loss.
+
+    Example:
+        >>> cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        ...        "num_hidden_layers": 1, "num_attention_heads": 4}
+        >>> w = workload_from_setup(cfg, Setup(micro_batch=2, seq_len=16), fake=True)
+        >>> tuple(w.batch["input_ids"].shape), w.name
+        ((2, 16), 'llama:config')
+    """
+    cfg = config if isinstance(config, HFConfig) else load_hf_config(config)
+    setup = instance_of(setup, Setup, "setup", "give a trainledger.Setup(micro_batch=..., seq_len=..., ...)")
+    _check_traceable(cfg, setup, fake)
+    mode: Any = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _policy_model(cfg, setup, mode, seed)
+    reference = _reference_model(cfg, setup, mode, seed) if setup.reference else None
+    batch = _batch(cfg, setup, mode, seed)
+    name = cfg.name + (f"+lora{setup.lora_rank}" if setup.lora_rank else "") + ("+dpo" if setup.reference else "")
+    if reference is None:
+        return Workload(model, batch, optimizer=optimizer_factory(setup), name=name)
+    return Workload(
+        _LossOnly(model),
+        batch,
+        loss_fn=_dpo_loss(model, reference),
+        optimizer=optimizer_factory(setup),
+        reference=reference,
+        name=name,
+    )
+
+
+def workload_from_hf_config(
+    path: str | Path | dict[str, Any], *, fake: bool = False, seed: int = 0, **step: Any
+) -> Workload:
+    """:func:`workload_from_setup` with the step's fields as keywords (those of
+    :class:`~trainledger.analytic.Setup`; ``lora_targets`` may be any sequence of names, or ``None``).
 
     Example:
         >>> cfg = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
@@ -365,84 +372,82 @@ def workload_from_hf_config(
         >>> tuple(w.batch["input_ids"].shape), w.name
         ((2, 16), 'llama:config')
     """
-    cfg = load_hf_config(path)
-    whole_number(micro_batch, "micro-batch (sequences)", limit=MAX_MICRO_BATCH)
-    whole_number(
-        seq_len,
-        "sequence length (tokens)",
-        minimum=2,
-        limit=MAX_SEQ_LEN,
-        minimum_why="the loss predicts the next token",
-    )
-    if cfg.spec.learned_positions and seq_len > cfg.spec.learned_positions:
-        raise InputError(
-            f"sequence length {seq_len} exceeds the {cfg.spec.learned_positions} learned positions "
-            "(n_positions) of this model"
-        )
-    whole_number(lora_rank, "LoRA rank (0: off)", minimum=0)
-    for name, flag in (("reference", reference), ("fake", fake)):
-        if not isinstance(flag, bool):
-            raise InputError(f"{name} {flag!r} must be True or False")
-    if recipe not in RECIPES:
-        raise InputError(f"unknown precision recipe {recipe!r}; accepted: {', '.join(RECIPES)}")
-    dtype, _ = RECIPES[recipe]
-    if not fake:
-        _check_fits_in_memory(cfg, dtype, copies=2 if reference else 1)
-    opt = optimizer_factory(optimizer, recipe)
-    mode: Any = None
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+    targets = step.get("lora_targets")
+    if targets is None or (isinstance(targets, (list, tuple)) and all(isinstance(t, str) for t in targets)):
+        step["lora_targets"] = tuple(targets or ())
+    return workload_from_setup(path, Setup(**step), fake=fake, seed=seed)
 
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-    device: Device = "fake" if fake else "cpu"
-    model = build_model(cfg, dtype=dtype, attn_impl=attn_impl, device=device, fake_mode=mode, seed=seed)
-    if lora_rank:
-        targets = tuple(lora_targets or DEFAULT_LORA_TARGETS.get(cfg.spec.family, ("q_proj", "v_proj")))
-        with mode if fake else contextlib.nullcontext():
-            apply_lora(model, lora_rank, targets)
-    if remat not in ("none", "full"):
-        raise InputError(f"unknown rematerialization {remat!r} for a traced model; accepted: none, full")
-    whole_number(remat_every, "recomputation interval (every k-th layer)")
-    if remat == "full":
+
+def _check_traceable(cfg: HFConfig, setup: Setup, fake: bool) -> None:
+    """What a traced step on one device cannot run, and a real build that cannot fit this machine."""
+    if not isinstance(fake, bool):
+        raise InputError(f"fake {fake!r} must be True or False")
+    check_positions(cfg.spec, setup)
+    if setup.remat == "selective":
+        raise InputError("unknown rematerialization 'selective' for a traced model; accepted: none, full")
+    if setup.tensor_parallel > 1 or setup.pipeline_parallel > 1:
+        raise InputError(
+            "a traced step runs on one device: tensor and pipeline parallelism are modelled by the analytic "
+            "estimate (trainledger estimate); give tensor_parallel=1 and pipeline_parallel=1"
+        )
+    if not fake:
+        _check_fits_in_memory(cfg, _dtype(setup), copies=2 if setup.reference else 1)
+
+
+def _dtype(setup: Setup) -> torch.dtype:
+    """The weights' and activations' dtype of the setup's recipe."""
+    return getattr(torch, setup.weight_dtype)
+
+
+def _build(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:
+    """The model, built for real on the CPU or, under ``mode``, on fake tensors."""
+    device: Device = "cpu" if mode is None else "fake"
+    return build_model(cfg, dtype=_dtype(setup), attn_impl=setup.attn_impl, device=device, fake_mode=mode, seed=seed)
+
+
+def _policy_model(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:
+    """The trained model: built, LoRA adapters added, recomputation switched on."""
+    model = _build(cfg, setup, mode, seed)
+    if setup.lora_rank:
+        with mode if mode is not None else contextlib.nullcontext():
+            apply_lora(model, setup.lora_rank, lora_targets(setup, cfg.spec))
+    if setup.remat == "full":
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.x: layers i with i % k == 0
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=remat_every)
-        elif remat_every == 1:
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=kwargs, every_n_layers=setup.remat_every
+            )
+        elif setup.remat_every == 1:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         else:
             raise InputError(
                 "checkpointing every k-th layer needs transformers with activation_checkpointing_enable (5.x)"
             )
-    if fake:
+    if mode is not None:
         _declare_unpacked(model)
-    ref_model = None
-    if reference:
-        ref_model = build_model(cfg, dtype=dtype, attn_impl=attn_impl, device=device, fake_mode=mode, seed=seed + 1)
-        ref_model.requires_grad_(False)
-        if fake:
-            _declare_unpacked(ref_model)
+    return model
+
+
+def _reference_model(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:
+    """The frozen copy of the model that DPO's loss reads (its own weights: seeded apart)."""
+    model = _build(cfg, setup, mode, seed + 1).requires_grad_(False)
+    if mode is not None:
+        _declare_unpacked(model)
+    return model
+
+
+def _batch(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Random token ids (zeros on fake tensors); DPO: as many chosen as rejected sequences."""
     gen = torch.Generator().manual_seed(seed)
-    with mode if fake else contextlib.nullcontext():
+    shape = (setup.micro_batch, setup.seq_len)
+    with mode if mode is not None else contextlib.nullcontext():
 
         def tokens() -> torch.Tensor:
-            if fake:
-                return torch.zeros(micro_batch, seq_len, dtype=torch.long)
-            return torch.randint(0, cfg.spec.vocab_size, (micro_batch, seq_len), generator=gen)
+            if mode is not None:
+                return torch.zeros(shape, dtype=torch.long)
+            return torch.randint(0, cfg.spec.vocab_size, shape, generator=gen)
 
-        if reference:
-            batch = {"chosen": tokens(), "rejected": tokens()}
-        else:
-            ids = tokens()
-            batch = {"input_ids": ids, "labels": ids}
-    name = cfg.name + (f"+lora{lora_rank}" if lora_rank else "") + ("+dpo" if reference else "")
-    if reference:
-        assert ref_model is not None
-        return Workload(
-            _LossOnly(model),
-            batch,
-            loss_fn=_dpo_loss(model, ref_model),
-            optimizer=opt,
-            reference=ref_model,
-            name=name,
-        )
-    return Workload(model, batch, optimizer=opt, name=name)
+        if setup.reference:
+            return {"chosen": tokens(), "rejected": tokens()}
+        ids = tokens()
+        return {"input_ids": ids, "labels": ids}

@@ -14,8 +14,10 @@ Example:
     (6738415616, 'analytic')
 """
 
-from trainledger.analytic._config import FAMILIES, ArchSpec, arch_from_config, load_config_file
-from trainledger.analytic._estimate import EstimateResult, estimate
+from trainledger.analytic._activations import lora_targets
+from trainledger.analytic._arch import FAMILIES, ArchSpec
+from trainledger.analytic._config import arch_from_config, load_config_file, normalized_config
+from trainledger.analytic._estimate import EstimateResult, check_positions, estimate
 from trainledger.analytic._fit import Candidate, FitOptions, FitResult, fit
 from trainledger.analytic._model import analytic_ledger, compact, saved_bytes_per_layer, step_flops
 from trainledger.analytic._params import ParamTensor, num_params, param_tensors
@@ -35,10 +37,13 @@ __all__ = [
     "Setup",
     "analytic_ledger",
     "arch_from_config",
+    "check_positions",
     "compact",
     "estimate",
     "fit",
     "load_config_file",
+    "lora_targets",
+    "normalized_config",
     "num_params",
     "param_tensors",
     "saved_bytes_per_layer",

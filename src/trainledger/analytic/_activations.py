@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainledger.analytic._config import ArchSpec
+from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._setup import Setup
 from trainledger.units import DTYPE_BYTES
 
@@ -45,6 +45,7 @@ def _trains(setup: Setup, spec: ArchSpec, linear: str) -> bool:
 
 
 def lora_targets(setup: Setup, spec: ArchSpec) -> tuple[str, ...]:
+    """The last names of the linears LoRA adapts: the setup's, or the family's usual ones."""
     if setup.lora_targets:
         return setup.lora_targets
     return {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",)}.get(spec.family, ("q_proj", "v_proj"))

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainledger.analytic._arch import ACTIVATIONS, FAMILIES, ArchSpec, Family
+from trainledger.analytic._params import num_params
 from trainledger.checks import (
     MAX_EXPERTS,
     MAX_LAYERS,
@@ -25,9 +28,6 @@ from trainledger.checks import (
     describe,
 )
 from trainledger.errors import InputError
-
-Family = Literal["llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral"]
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral")
 
 # Keys every config of a family must state (the sizes), under the names that family's config.json uses.
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -90,54 +90,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "router_jitter_noise": 0.0,
     },
 }
-# Activations whose autograd saves only their input (plus the next linear's saved output); gelu_new
-# (GPT-2's and Phi's tanh formula, written out in Python) saves four tensors of the MLP width.
-_ACTIVATIONS = {"silu": 1, "swish": 1, "gelu": 1, "relu": 1, "gelu_new": 4, "gelu_pytorch_tanh": 1}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ArchSpec:
-    """The memory-relevant shape of a decoder-only transformer, read from a Hugging Face config."""
-
-    family: Family
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    tied: bool
-    """Input embedding and LM head share one storage."""
-    norm: Literal["rmsnorm", "layernorm"]
-    gated_mlp: bool
-    """SwiGLU (gate, up, down) rather than two linears."""
-    act: str
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    lm_head_bias: bool
-    parallel_residual: bool
-    """Attention and MLP read the same normalised input (GPT-NeoX, Phi)."""
-    num_norms_per_layer: int
-    learned_positions: int
-    """Rows of a learned position embedding (GPT-2's ``n_positions``); 0 for rotary models."""
-    rotary_dim: int
-    attn_dropout: float
-    resid_dropout: float
-    embd_dropout: float
-    num_experts: int = 0
-    top_k: int = 0
-    qk_layernorm: bool = False
-
-    @property
-    def moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def act_saved(self) -> int:
-        """Tensors of the MLP width that the activation function's autograd saves."""
-        return _ACTIVATIONS.get(self.act, 1)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -212,6 +164,33 @@ def _prob(cfg: dict[str, Any], key: str) -> float:
     return float(value)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Naming:
+    """How a family's ``config.json`` names its sizes, and which shape keys it honours."""
+
+    hidden: str = "hidden_size"
+    heads: str = "num_attention_heads"
+    layers: str = "num_hidden_layers"
+    act: str = "hidden_act"
+    head_dim: bool = False
+    """An explicit ``head_dim`` key is read (otherwise the head size is hidden / heads)."""
+    rotary: tuple[str, float] | None = ("", 1.0)
+    """The key of the rotary fraction of a head (and its default); ``("", 1.0)``: all of it; ``None``:
+    learned positions, no rotary embedding."""
+
+
+_LLAMA_NAMING = _Naming(head_dim=True)
+_NAMING: dict[Family, _Naming] = {
+    "llama": _LLAMA_NAMING,
+    "mistral": _LLAMA_NAMING,
+    "qwen2": _LLAMA_NAMING,
+    "mixtral": _LLAMA_NAMING,
+    "gpt2": _Naming(hidden="n_embd", heads="n_head", layers="n_layer", act="activation_function", rotary=None),
+    "gpt_neox": _Naming(rotary=("rotary_pct", 0.25)),
+    "phi": _Naming(rotary=("partial_rotary_factor", 0.5)),
+}
+
+
 def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
     """Validate a Hugging Face config (a dict from ``config.json``) and read its memory-relevant shape.
 
@@ -227,27 +206,29 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
     cfg = normalized_config(raw)
     family: Family = cfg["model_type"]
     cfg = {**DEFAULTS[family], **cfg}
-    gpt2 = family == "gpt2"
-    hidden = _size(cfg, "n_embd" if gpt2 else "hidden_size")
-    heads = _size(cfg, "n_head" if gpt2 else "num_attention_heads")
-    layers = _size(cfg, "n_layer" if gpt2 else "num_hidden_layers", MAX_LAYERS)
+    spec = ArchSpec(**_shape(family, cfg), **_layers(family, cfg))
+    total = num_params(spec)
+    if total > MAX_PARAMS.value:
+        raise InputError(
+            f"this {family} config has {total:,} parameters; at most {MAX_PARAMS.value:,} are accepted "
+            f"({MAX_PARAMS.why}); check its sizes"
+        )
+    return spec
+
+
+def _shape(family: Family, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields every family has: sizes, heads, MLP width, tying, experts, activation, rotary width."""
+    names = _NAMING[family]
+    hidden = _size(cfg, names.hidden)
+    heads = _size(cfg, names.heads)
+    layers = _size(cfg, names.layers, MAX_LAYERS)
     vocab = _size(cfg, "vocab_size", MAX_VOCAB)
-    if gpt2:
+    if family == "gpt2":
         inter = 4 * hidden if cfg.get("n_inner") is None else _size(cfg, "n_inner")
     else:
         inter = _size(cfg, "intermediate_size")
-    kv = cfg.get("num_key_value_heads")
-    kv = heads if kv is None else _size(cfg, "num_key_value_heads")
-    head_dim = cfg.get("head_dim")
-    if head_dim is None or family not in ("llama", "mistral", "qwen2", "mixtral"):
-        if hidden % heads:
-            key = "n_head" if gpt2 else "num_attention_heads"
-            raise InputError(
-                f"{key} {heads} does not divide the hidden size {hidden}; give a head count that divides it"
-            )
-        head_dim = hidden // heads
-    else:
-        head_dim = _size(cfg, "head_dim")
+    kv = heads if cfg.get("num_key_value_heads") is None else _size(cfg, "num_key_value_heads")
+    head_dim = _head_dim(cfg, names, hidden, heads)
     if heads % kv:
         raise InputError(
             f"num_key_value_heads {kv} does not divide num_attention_heads {heads}; "
@@ -256,25 +237,11 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
     tied = cfg.get("tie_word_embeddings")
     if not isinstance(tied, bool):
         raise InputError(f"config key 'tie_word_embeddings' is {tied!r}; it must be true or false")
-    num_experts = top_k = 0
-    if family == "mixtral":
-        num_experts = _size(cfg, "num_local_experts", MAX_EXPERTS)
-        top_k = _size(cfg, "num_experts_per_tok")
-        if top_k > num_experts:
-            raise InputError(
-                f"num_experts_per_tok {top_k} exceeds num_local_experts {num_experts}; give at most {num_experts}"
-            )
-    act = cfg.get("activation_function" if gpt2 else "hidden_act")
-    if act not in _ACTIVATIONS:
-        raise InputError(f"activation {act!r} is not modelled; accepted: {', '.join(_ACTIVATIONS)}")
-    rope = cfg.get("rope_parameters") or {}
-    if family == "gpt_neox":
-        rotary = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25))
-    elif family == "phi":
-        rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
-    else:
-        rotary = 1.0
-    common = dict(
+    num_experts, top_k = _experts(cfg) if family == "mixtral" else (0, 0)
+    act = cfg.get(names.act)
+    if act not in ACTIVATIONS:
+        raise InputError(f"activation {act!r} is not modelled; accepted: {', '.join(ACTIVATIONS)}")
+    return dict(
         family=family,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -285,88 +252,111 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
         intermediate_size=inter,
         tied=tied,
         act=act,
-        rotary_dim=0 if gpt2 else int(head_dim * float(rotary)),
+        rotary_dim=0 if names.rotary is None else int(head_dim * _rotary_fraction(cfg, names.rotary)),
         num_experts=num_experts,
         top_k=top_k,
     )
-    spec = _spec(family, cfg, common)
-    from trainledger.analytic._params import num_params
 
-    total = num_params(spec)
-    if total > MAX_PARAMS.value:
+
+def _head_dim(cfg: dict[str, Any], names: _Naming, hidden: int, heads: int) -> int:
+    if names.head_dim and cfg.get("head_dim") is not None:
+        return _size(cfg, "head_dim")
+    if hidden % heads:
         raise InputError(
-            f"this {family} config has {total:,} parameters; at most {MAX_PARAMS.value:,} are accepted "
-            f"({MAX_PARAMS.why}); check its sizes"
+            f"{names.heads} {heads} does not divide the hidden size {hidden}; give a head count that divides it"
         )
-    return spec
+    return hidden // heads
 
 
-def _spec(family: Family, cfg: dict[str, Any], common: dict[str, Any]) -> ArchSpec:
-    """The family-specific part of :func:`arch_from_config`."""
-    gpt2 = family == "gpt2"
-    if family in ("llama", "mistral", "qwen2", "mixtral"):
-        attn_bias = bool(cfg.get("attention_bias", False)) if family == "llama" else False
-        return ArchSpec(
-            **common,
-            norm="rmsnorm",
-            gated_mlp=True,
-            qkv_bias=attn_bias or family == "qwen2",
-            o_bias=attn_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
-            lm_head_bias=False,
-            parallel_residual=False,
-            num_norms_per_layer=2,
-            learned_positions=0,
-            attn_dropout=_prob(cfg, "attention_dropout"),
-            resid_dropout=0.0,
-            embd_dropout=0.0,
+def _experts(cfg: dict[str, Any]) -> tuple[int, int]:
+    num_experts = _size(cfg, "num_local_experts", MAX_EXPERTS)
+    top_k = _size(cfg, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise InputError(
+            f"num_experts_per_tok {top_k} exceeds num_local_experts {num_experts}; give at most {num_experts}"
         )
-    if gpt2:
-        return ArchSpec(
-            **common,
-            norm="layernorm",
-            gated_mlp=False,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            lm_head_bias=False,
-            parallel_residual=False,
-            num_norms_per_layer=2,
-            learned_positions=_size(cfg, "n_positions", MAX_SEQ_LEN),
-            attn_dropout=_prob(cfg, "attn_pdrop"),
-            resid_dropout=_prob(cfg, "resid_pdrop"),
-            embd_dropout=_prob(cfg, "embd_pdrop"),
-        )
-    if family == "gpt_neox":
-        bias = bool(cfg.get("attention_bias", True))
-        return ArchSpec(
-            **common,
-            norm="layernorm",
-            gated_mlp=False,
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=True,
-            lm_head_bias=False,
-            parallel_residual=bool(cfg.get("use_parallel_residual", True)),
-            num_norms_per_layer=2,
-            learned_positions=0,
-            attn_dropout=_prob(cfg, "attention_dropout"),
-            resid_dropout=_prob(cfg, "hidden_dropout"),
-            embd_dropout=0.0,
-        )
-    return ArchSpec(  # phi
-        **common,
-        norm="layernorm",
-        gated_mlp=False,
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
+    return num_experts, top_k
+
+
+def _rotary_fraction(cfg: dict[str, Any], rotary: tuple[str, float]) -> float:
+    """The fraction of a head that rotary embeddings turn (``rope_parameters`` wins over the older key)."""
+    key, default = rotary
+    if not key:
+        return 1.0
+    rope = cfg.get("rope_parameters") or {}
+    return float(rope.get("partial_rotary_factor", cfg.get(key, default)))
+
+
+# --- what a family's layers hold ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """What a family's layers hold whatever its config says (the config's switches: ``_SWITCHES``)."""
+
+    norm: Literal["rmsnorm", "layernorm"] = "layernorm"
+    gated_mlp: bool = False
+    biases: bool = True
+    """The q/k/v, output and MLP linears carry a bias."""
+    lm_head_bias: bool = False
+    parallel_residual: bool = False
+    num_norms_per_layer: int = 2
+    dropouts: tuple[str | None, str | None, str | None] = ("attention_dropout", None, None)
+    """The config keys of the attention, residual and embedding dropout probabilities (``None``: no dropout)."""
+
+
+_ROTARY_SWIGLU = _Layout(norm="rmsnorm", gated_mlp=True, biases=False)
+_LAYOUTS: dict[Family, _Layout] = {
+    "llama": _ROTARY_SWIGLU,
+    "mistral": _ROTARY_SWIGLU,
+    "qwen2": _ROTARY_SWIGLU,
+    "mixtral": _ROTARY_SWIGLU,
+    "gpt2": _Layout(dropouts=("attn_pdrop", "resid_pdrop", "embd_pdrop")),
+    "gpt_neox": _Layout(dropouts=("attention_dropout", "hidden_dropout", None)),
+    # one LayerNorm per layer, read by attention and MLP alike; a head with a bias
+    "phi": _Layout(
         lm_head_bias=True,
         parallel_residual=True,
         num_norms_per_layer=1,
-        learned_positions=0,
-        attn_dropout=_prob(cfg, "attention_dropout"),
-        resid_dropout=_prob(cfg, "resid_pdrop"),
-        embd_dropout=_prob(cfg, "embd_pdrop"),
-        qk_layernorm=bool(cfg.get("qk_layernorm", False)),
-    )
+        dropouts=("attention_dropout", "resid_pdrop", "embd_pdrop"),
+    ),
+}
+
+
+def _llama_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+
+
+def _gpt_neox_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", True))
+    return {"qkv_bias": bias, "o_bias": bias, "parallel_residual": bool(cfg.get("use_parallel_residual", True))}
+
+
+# What a family's config switches on or off, over its layout.
+_SWITCHES: dict[Family, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "llama": _llama_switches,
+    "qwen2": lambda cfg: {"qkv_bias": True},
+    "gpt2": lambda cfg: {"learned_positions": _size(cfg, "n_positions", MAX_SEQ_LEN)},
+    "gpt_neox": _gpt_neox_switches,
+    "phi": lambda cfg: {"qk_layernorm": bool(cfg.get("qk_layernorm", False))},
+}
+
+
+def _layers(family: Family, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields of what a family's layers hold: its layout, the config's switches, its dropouts."""
+    layout = _LAYOUTS[family]
+    out: dict[str, Any] = {
+        "norm": layout.norm,
+        "gated_mlp": layout.gated_mlp,
+        "qkv_bias": layout.biases,
+        "o_bias": layout.biases,
+        "mlp_bias": layout.biases,
+        "lm_head_bias": layout.lm_head_bias,
+        "parallel_residual": layout.parallel_residual,
+        "num_norms_per_layer": layout.num_norms_per_layer,
+        "learned_positions": 0,
+    }
+    out.update(_SWITCHES.get(family, lambda cfg: {})(cfg))
+    attn, resid, embd = (0.0 if key is None else _prob(cfg, key) for key in layout.dropouts)
+    return {**out, "attn_dropout": attn, "resid_dropout": resid, "embd_dropout": embd}

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainledger.analytic._config import ArchSpec, arch_from_config, load_config_file
+from trainledger.analytic._arch import ArchSpec
+from trainledger.analytic._config import arch_from_config, load_config_file
 from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
 from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import Setup, setup_from_dict, setup_to_dict

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._config import arch_from_config
 from trainledger.analytic._model import analytic_ledger, compact, step_flops
 from trainledger.analytic._params import num_params
@@ -87,8 +88,9 @@ class Candidate:
     seconds_per_token: float
     largest_entry: tuple[str, int] = ("", 0)
     """The largest array live at the peak: what to act on."""
-    relative_cost: float = 0.0
-    """Step time per token relative to the best configuration that fits (1.0 = best)."""
+    relative_cost: float | None = None
+    """Step time per token relative to the best configuration that fits (1.0 = best); ``None`` for one
+    that does not fit (nothing to compare it with)."""
 
     @property
     def largest_at_peak(self) -> tuple[str, int]:
@@ -195,8 +197,8 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
         >>> r.fitting[0].relative_cost
         1.0
     """
-    from trainledger.analytic._estimate import check_positions, check_setup, read_config, shard_ledger
-    from trainledger.shard import ShardConfig, estimate_time, parse_strategy, shard
+    from trainledger.analytic._estimate import check_positions, check_setup, read_config
+    from trainledger.shard import parse_strategy
 
     instance_of(options, FitOptions, "fit options", "give a trainledger.FitOptions(device_memory=..., ...)")
     base = check_setup(base)
@@ -204,73 +206,98 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
     spec = arch_from_config(raw)
     check_positions(spec, base)
     stages = [parse_strategy(s) for s in options.stages]
-    usable = options.device_memory - options.reserve_bytes
     fitting: list[Candidate] = []
     overflowing: list[Candidate] = []
-    remats = list(options.remats)
-    if base.attn_impl == "sdpa" and "selective" in remats and "none" in remats:
-        # with fused attention nothing T×T is saved: selective recomputation saves no memory, only adds time
-        remats.remove("selective")
     for recipe in options.recipes:
-        for remat in remats:
+        for remat in _remats(options, base):
             for stage in stages:
                 for mb in sorted(options.micro_batches):
                     setup = replace(base, micro_batch=mb, remat=remat, recipe=recipe)  # type: ignore[arg-type]
-                    led = compact(analytic_ledger(spec, setup))
-                    collectives: tuple[Any, ...] = ()
-                    if options.world > 1:
-                        res = shard(led, ShardConfig(world_size=options.world, strategy=stage, engine="deepspeed"))
-                        rank0, collectives = res.ranks[0], res.collectives
-                    else:
-                        rank0, _ = shard_ledger(led, 1, stage)
-                    pk = rank0.peak()
-                    fwd_flops, re_flops = step_flops(spec, setup)
-                    rate = options.tflops * 1e12
-                    compute = 3 * fwd_flops / rate
-                    recompute = re_flops / rate
-                    exposed = 0.0
-                    if collectives:
-                        t = estimate_time(
-                            collectives,
-                            link_gbps=options.link_gbps,
-                            compute_seconds={"forward": fwd_flops / rate, "backward": 2 * fwd_flops / rate + recompute},
-                        )
-                        exposed = t.exposed_seconds
-                    tokens = mb * setup.seq_len
-                    top = max(rank0.live_at(pk.event), key=lambda e: e.nbytes)
-                    cand = Candidate(
-                        micro_batch=mb,
-                        stage=stage,
-                        remat=remat,
-                        recipe=recipe,
-                        peak_bytes=pk.bytes,
-                        peak_phase=pk.phase,
-                        by_category=dict(pk.by_category),
-                        fits=pk.bytes <= usable,
-                        overflow_bytes=max(0, pk.bytes - usable),
-                        compute_seconds=compute,
-                        recompute_seconds=recompute,
-                        exposed_comm_seconds=exposed,
-                        seconds_per_token=(compute + recompute + exposed) / tokens,
-                        largest_entry=(top.name, top.nbytes),
-                    )
+                    cand = _candidate(spec, setup, stage, options)
                     if cand.fits:
                         fitting.append(cand)
                     else:
                         overflowing.append(cand)
                         break  # larger micro-batches only need more
-    best = min((c.seconds_per_token for c in fitting), default=None)
-    if best:
-        fitting = [replace(c, relative_cost=c.seconds_per_token / best) for c in fitting]
-    fitting.sort(key=lambda c: (c.relative_cost, c.peak_bytes))
     overflowing.sort(key=lambda c: (c.overflow_bytes, c.micro_batch))
-    result = FitResult(
+    return FitResult(
         source="config" if isinstance(config, dict) else str(config),
         options=options,
         base=base,
         num_params=num_params(spec),
-        fitting=tuple(fitting),
+        fitting=_best_first(fitting),
         overflowing=tuple(overflowing),
         config=raw,
     )
-    return result
+
+
+def _remats(options: FitOptions, base: Setup) -> list[str]:
+    """The recomputation policies worth trying."""
+    remats = list(options.remats)
+    if base.attn_impl == "sdpa" and "selective" in remats and "none" in remats:
+        # with fused attention nothing T×T is saved: selective recomputation saves no memory, only adds time
+        remats.remove("selective")
+    return remats
+
+
+def _candidate(spec: ArchSpec, setup: Setup, stage: str, options: FitOptions) -> Candidate:
+    """One configuration: rank 0's analytic peak, what is largest then, and the step's cost per token."""
+    from trainledger.analytic._estimate import shard_ledger
+    from trainledger.shard import ShardConfig, shard
+
+    led = compact(analytic_ledger(spec, setup))
+    collectives: tuple[Any, ...] = ()
+    if options.world > 1:
+        res = shard(led, ShardConfig(world_size=options.world, strategy=stage, engine="deepspeed"))  # type: ignore[arg-type]
+        rank0, collectives = res.ranks[0], res.collectives
+    else:
+        rank0, _ = shard_ledger(led, 1, stage)
+    pk = rank0.peak()
+    compute, recompute, exposed = _step_seconds(spec, setup, options, collectives)
+    top = max(rank0.live_at(pk.event), key=lambda e: e.nbytes)
+    usable = options.device_memory - options.reserve_bytes
+    return Candidate(
+        micro_batch=setup.micro_batch,
+        stage=stage,
+        remat=setup.remat,
+        recipe=setup.recipe,
+        peak_bytes=pk.bytes,
+        peak_phase=pk.phase,
+        by_category=dict(pk.by_category),
+        fits=pk.bytes <= usable,
+        overflow_bytes=max(0, pk.bytes - usable),
+        compute_seconds=compute,
+        recompute_seconds=recompute,
+        exposed_comm_seconds=exposed,
+        seconds_per_token=(compute + recompute + exposed) / (setup.micro_batch * setup.seq_len),
+        largest_entry=(top.name, top.nbytes),
+    )
+
+
+def _step_seconds(
+    spec: ArchSpec, setup: Setup, options: FitOptions, collectives: tuple[Any, ...]
+) -> tuple[float, float, float]:
+    """Compute (forward and backward: three forwards' FLOPs), recomputation, and the communication not
+    hidden behind them, at the options' sustained rate and link bandwidth."""
+    from trainledger.shard import estimate_time
+
+    fwd_flops, re_flops = step_flops(spec, setup)
+    rate = options.tflops * 1e12
+    compute = 3 * fwd_flops / rate
+    recompute = re_flops / rate
+    if not collectives:
+        return compute, recompute, 0.0
+    t = estimate_time(
+        collectives,
+        link_gbps=options.link_gbps,
+        compute_seconds={"forward": fwd_flops / rate, "backward": 2 * fwd_flops / rate + recompute},
+    )
+    return compute, recompute, t.exposed_seconds
+
+
+def _best_first(fitting: list[Candidate]) -> tuple[Candidate, ...]:
+    """Cheapest per token first (cost relative to the cheapest), the smaller peak first among equals."""
+    best = min((c.seconds_per_token for c in fitting), default=None)
+    if best:
+        fitting = [replace(c, relative_cost=c.seconds_per_token / best) for c in fitting]
+    return tuple(sorted(fitting, key=lambda c: (c.relative_cost, c.peak_bytes)))

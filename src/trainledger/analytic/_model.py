@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from trainledger.analytic._activations import (
     Saved,
@@ -28,7 +29,7 @@ from trainledger.analytic._activations import (
     lora_targets,
     loss_saved,
 )
-from trainledger.analytic._config import ArchSpec
+from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._params import ParamTensor, param_tensors
 from trainledger.analytic._setup import Setup, setup_to_dict
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
@@ -43,6 +44,22 @@ EXCLUDED = (
 
 def _div(numel: int, parts: int) -> int:
     return -(-numel // parts)
+
+
+_Trainable = tuple[str, int, str, int | None, tuple[int, ...]]
+"""A trainable array: name, elements on this rank, module, decoder layer (``None`` outside the layers), shape."""
+
+
+@dataclass
+class _Clock:
+    """The events of the step, by what happens at them."""
+
+    fwd: dict[str, int]
+    bwd: dict[str, int]
+    casts: dict[str, int] = field(default_factory=dict)
+    """Each trainable array's cast of its gradient to the master dtype."""
+    opt: int = 0
+    zero: int = 0
 
 
 class _Builder:
@@ -132,7 +149,7 @@ class _Builder:
         t = self.t
         params = self.params()
         targets = lora_targets(setup, spec) if setup.lora_rank else ()
-        trainable: list[tuple[str, int, str, int | None, tuple[int, ...]]] = []  # name, numel, module, layer
+        trainable: list[_Trainable] = []
         for p in params:
             n = _div(p.numel, t) if p.tp_split and t > 1 else p.numel
             module = _module_of(p.name)
@@ -173,21 +190,29 @@ class _Builder:
 
     # --- the clock ---
 
-    def _clock(self, trainable: list[tuple[str, int, str, int | None, tuple[int, ...]]]) -> None:
+    def _clock(self, trainable: list[_Trainable]) -> None:
+        """Lay the step on the event clock, then place every array that lives on it (in this order, which
+        is the order of the ledger's entries)."""
+        clock = _Clock(fwd=self._forward_events(), bwd=self._backward_events())
+        clock.casts, clock.opt, clock.zero = self._optimizer_events(trainable)
+        self._activations(clock)
+        if self.last:
+            self._loss_workspace(clock)
+        self._layer_workspace(clock)
+        self._gradients(clock, trainable)
+        self._optimizer_temporaries(clock.opt, trainable)
+
+    def _forward_events(self) -> dict[str, int]:
+        """The reference's forward (DPO), the embeddings, each layer's two blocks, the head and the loss."""
         spec, setup = self.spec, self.setup
-        a, rows, T, t = self.a, self.rows, setup.seq_len, self.t
-        N = rows * T
-        H, V = spec.hidden_size, spec.vocab_size
-        NV = _div(N * V, t)  # vocabulary-parallel logits
-        NH = N * H if not setup.sequence_parallel else _div(N * H, t)
-        extra = self.in_flight - 1
         fwd: dict[str, int] = {}
         if setup.reference and self.last:
             e = self.event("forward", "reference", "reference")
             # under no_grad nothing is saved; the reference's logits, their fp32 copy and log-softmax at once
-            self.work("reference.logits", a, NV, e)
-            self.work("reference.logits_fp32", "float32", NV, e)
-            self.work("reference.log_softmax", "float32", NV, e)
+            nv = _div(self.rows * setup.seq_len * spec.vocab_size, self.t)
+            self.work("reference.logits", self.a, nv, e)
+            self.work("reference.logits_fp32", "float32", nv, e)
+            self.work("reference.log_softmax", "float32", nv, e)
         if self.first:
             fwd["embed"] = self.event("forward", "embedding", _embed_module(spec))
         for i in self.layers:
@@ -197,13 +222,17 @@ class _Builder:
         if self.last:
             fwd["head"] = self.event("forward", "lm_head", "lm_head")
             fwd["loss"] = self.event("forward", "cross_entropy", "loss")
+        return fwd
+
+    def _backward_events(self) -> dict[str, int]:
+        """The loss, the logits' cast and the head; each layer in reverse, its output projections first."""
         bwd: dict[str, int] = {}
         if self.last:
             bwd["loss"] = self.event("backward", "log_softmax_backward", "loss")
             bwd["cast"] = self.event("backward", "logits_cast_backward", "lm_head")
             bwd["head"] = self.event("backward", "lm_head_backward", "lm_head")
         for i in reversed(self.layers):
-            lm = _layer_module(spec, i)
+            lm = _layer_module(self.spec, i)
             # each block's output projection first (its weight gradient, its saved input released), then the rest
             bwd[f"mlp_out{i}"] = self.event("backward", "mlp_output_backward", f"{lm}.{_MLP}")
             bwd[f"mlp_act{i}"] = self.event("backward", "mlp_activation_backward", f"{lm}.{_MLP}")
@@ -211,72 +240,97 @@ class _Builder:
             bwd[f"attn_out{i}"] = self.event("backward", "attention_output_backward", f"{lm}.{_ATTN}")
             bwd[f"attn{i}"] = self.event("backward", "attention_block_backward", f"{lm}.{_ATTN}")
         if self.first:
-            bwd["embed"] = self.event("backward", "embedding_backward", _embed_module(spec))
+            bwd["embed"] = self.event("backward", "embedding_backward", _embed_module(self.spec))
+        return bwd
+
+    def _optimizer_events(self, trainable: list[_Trainable]) -> tuple[dict[str, int], int, int]:
+        """The gradients' casts to the master dtype, the optimizer's step and ``zero_grad``."""
         # the master-weights optimizer casts each gradient to fp32 in turn (one event per tensor, so the
         # sharding transform sees each copy produced and bucketed on its own), then steps
         casts: dict[str, int] = {}
-        if setup.master_dtype:
+        if self.setup.master_dtype:
             for name, _n, module, _layer, _shape in trainable:
                 casts[name] = self.event("optimizer", "gradient_to_master", module)
         opt = self.event("optimizer", "step", "")
         zero = self.event("zero_grad", "zero_grad", "")
+        return casts, opt, zero
 
-        # activations
+    def _activations(self, clock: _Clock) -> None:
+        """Saved tensors, from their block's forward to the backward event that releases them."""
+        spec, setup, fwd, bwd = self.spec, self.setup, clock.fwd, clock.bwd
+        extra = self.in_flight - 1
         if self.first:
             first = f"attn{self.layers[0]}" if self.layers else "embed"
-            self.saved(embedding_saved(spec, setup, rows), fwd["embed"], bwd[first] + 1, "embedding", extra)
+            self.saved(embedding_saved(spec, setup, self.rows), fwd["embed"], bwd[first] + 1, "embedding", extra)
             if setup.attn_impl == "eager":  # the 4-D causal mask, built once and read by every layer
-                end = fwd["head"] if self.last else opt
-                self.work("causal_mask", a, rows * T * T, fwd["embed"], end)
+                end = fwd["head"] if self.last else clock.opt
+                self.work("causal_mask", self.a, self.rows * setup.seq_len**2, fwd["embed"], end)
+        for i in self.layers:
+            self._layer_activations(clock, i, extra)
+        if self.last:
+            self.saved(head_saved(spec, setup, self.rows), fwd["head"], bwd["head"] + 1, "lm_head")
+            self.saved(loss_saved(spec, setup, self.rows), fwd["loss"], bwd["loss"] + 1, "loss")
+
+    def _layer_activations(self, clock: _Clock, i: int, extra: int) -> None:
+        """Layer ``i``'s saved tensors; a checkpointed layer keeps its input and recomputes the rest."""
+        setup, fwd, bwd = self.setup, clock.fwd, clock.bwd
+        lm = _layer_module(self.spec, i)
+        pieces = layer_saved(self.spec, setup, self.rows, i)
+        if setup.remat == "selective":
+            pieces = [s for s in pieces if not s.core]
+        checkpointed = setup.remat == "full" and (i - self.layers[0]) % setup.remat_every == 0
+        if not checkpointed:
+            for s in pieces:
+                self.saved([s], fwd[f"{_block_of(s.name)}{i}"], bwd[f"{_release_of(s.name)}{i}"] + 1, lm, extra)
+            return
+        kept = [Saved(f"{lm}.checkpoint.input", self.rows * setup.seq_len * self.spec.hidden_size, self.a, False)]
+        self.saved(kept, fwd[f"attn{i}"], bwd[f"attn{i}"] + 1, lm, extra)
+        # recomputed at the start of the layer's backward: its saved tensors live again until used
+        for s in pieces:
+            until = bwd[f"{_release_of(s.name)}{i}"] + 1
+            self.work(f"{s.name}.recomputed", s.dtype, self.tp_numel(s), bwd[f"mlp_out{i}"], until)
+
+    def _loss_workspace(self, clock: _Clock) -> None:
+        """Around the loss: bf16 logits held in the output until the loss is computed, their fp32 copy, the
+        gradient of log-softmax's input and output, then the cast back to the logits' dtype."""
+        fwd, bwd, a = clock.fwd, clock.bwd, self.a
+        nv = _div(self.rows * self.setup.seq_len * self.spec.vocab_size, self.t)  # vocabulary-parallel logits
+        self.work("logits", a, nv, fwd["head"], fwd["loss"] + 1)
+        if a != "float32":
+            self.work("logits.fp32", "float32", nv, fwd["loss"])
+        self.work("log_softmax.grad_output", "float32", nv, bwd["loss"])
+        self.work("log_softmax.grad_input", "float32", nv, bwd["loss"], bwd["cast"] + 1)
+        if a != "float32":
+            self.work("logits.grad", a, nv, bwd["cast"], bwd["head"] + 1)
+        self.work("lm_head.grad_input", a, self._residual_numel(), bwd["head"])
+
+    def _residual_numel(self) -> int:
+        """Elements of the residual stream on one rank (split along the sequence with sequence parallelism)."""
+        nh = self.rows * self.setup.seq_len * self.spec.hidden_size
+        return _div(nh, self.t) if self.setup.sequence_parallel else nh
+
+    def _layer_workspace(self, clock: _Clock) -> None:
+        """A layer's transients: the block's output beside its input in forward (and the MLP's widest
+        intermediate); in backward the gradients of the block's intermediates and of the residual stream."""
+        spec, fwd, bwd, a, t = self.spec, clock.fwd, clock.bwd, self.a, self.t
+        nh = self._residual_numel()
+        mlp = nh + _div(self.rows * self.setup.seq_len * _mlp_width(spec), t)
         for i in self.layers:
             lm = _layer_module(spec, i)
-            pieces = layer_saved(spec, setup, rows, i)
-            if setup.remat == "selective":
-                pieces = [s for s in pieces if not s.core]
-            checkpointed = setup.remat == "full" and (i - self.layers[0]) % setup.remat_every == 0
-            if checkpointed:
-                kept = [Saved(f"{lm}.checkpoint.input", N * H, a, False)]
-                self.saved(kept, fwd[f"attn{i}"], bwd[f"attn{i}"] + 1, lm, extra)
-                # recomputed at the start of the layer's backward: its saved tensors live again until used
-                for s in pieces:
-                    blk = _block_of(s.name)
-                    until = bwd[f"{_release_of(s.name)}{i}"] + 1
-                    self.work(f"{s.name}.recomputed", s.dtype, self.tp_numel(s), bwd[f"mlp_out{i}"], until)
-            else:
-                for s in pieces:
-                    blk = _block_of(s.name)
-                    self.saved([s], fwd[f"{blk}{i}"], bwd[f"{_release_of(s.name)}{i}"] + 1, lm, extra)
-        if self.last:
-            self.saved(head_saved(spec, setup, rows), fwd["head"], bwd["head"] + 1, "lm_head")
-            self.saved(loss_saved(spec, setup, rows), fwd["loss"], bwd["loss"] + 1, "loss")
-
-        # workspace around the loss: bf16 logits held in the output until the loss is computed, their fp32
-        # copy, the gradient of log-softmax's input and output, then the cast back to the logits' dtype
-        if self.last:
-            self.work("logits", a, NV, fwd["head"], fwd["loss"] + 1)
-            if a != "float32":
-                self.work("logits.fp32", "float32", NV, fwd["loss"])
-            self.work("log_softmax.grad_output", "float32", NV, bwd["loss"])
-            self.work("log_softmax.grad_input", "float32", NV, bwd["loss"], bwd["cast"] + 1)
-            if a != "float32":
-                self.work("logits.grad", a, NV, bwd["cast"], bwd["head"] + 1)
-            self.work("lm_head.grad_input", a, NH, bwd["head"])
-
-        # a layer's transients: the block's output beside its input in forward (and the MLP's widest
-        # intermediate); in backward the gradients of the block's intermediates and of the residual stream
-        for i in self.layers:
-            lm = _layer_module(spec, i)
-            mlp_w, attn_w = _backward_widths(spec, setup, rows, t)
-            self.work(f"{lm}.attention.output", a, NH, fwd[f"attn{i}"])
-            self.work(f"{lm}.mlp.output", a, NH + _div(N * _mlp_width(spec), t), fwd[f"mlp{i}"])
-            self.work(f"{lm}.mlp.output_grads", a, NH + _div(N * _mlp_width(spec), t), bwd[f"mlp_out{i}"])
-            self.work(f"{lm}.mlp.grads", a, NH + mlp_w, bwd[f"mlp_act{i}"])
-            self.work(f"{lm}.mlp.input_grads", a, NH + _div(N * _mlp_width(spec), t), bwd[f"mlp{i}"])
-            self.work(f"{lm}.attention.output_grads", a, 2 * NH, bwd[f"attn_out{i}"])
+            mlp_w, attn_w = _backward_widths(spec, self.setup, self.rows, t)
+            self.work(f"{lm}.attention.output", a, nh, fwd[f"attn{i}"])
+            self.work(f"{lm}.mlp.output", a, mlp, fwd[f"mlp{i}"])
+            self.work(f"{lm}.mlp.output_grads", a, mlp, bwd[f"mlp_out{i}"])
+            self.work(f"{lm}.mlp.grads", a, nh + mlp_w, bwd[f"mlp_act{i}"])
+            self.work(f"{lm}.mlp.input_grads", a, mlp, bwd[f"mlp{i}"])
+            self.work(f"{lm}.attention.output_grads", a, 2 * nh, bwd[f"attn_out{i}"])
             self.work(f"{lm}.attention.grads", attn_w[1], attn_w[0], bwd[f"attn{i}"])
-            self.work(f"{lm}.residual.grad", a, NH, bwd[f"attn{i}"])
+            self.work(f"{lm}.residual.grad", a, nh, bwd[f"attn{i}"])
 
-        # gradients: produced at their module's backward event, freed by zero_grad
+    def _gradients(self, clock: _Clock, trainable: list[_Trainable]) -> None:
+        """Gradients, produced at their module's backward event and freed by ``zero_grad``; master
+        gradients from their cast."""
+        bwd, opt, master = clock.bwd, clock.opt, self.setup.master_dtype
         for name, n, module, layer, shape in trainable:
             if layer is not None:
                 at = bwd[f"{_release_of(name)}{layer}"]
@@ -285,24 +339,37 @@ class _Builder:
             else:
                 at = bwd.get("embed", opt)
             self.add(
-                f"{name}.grad", Category.GRADIENTS, "grad", self.a, n, alloc_event=at, free_event=zero, shape=shape
+                f"{name}.grad",
+                Category.GRADIENTS,
+                "grad",
+                self.a,
+                n,
+                alloc_event=at,
+                free_event=clock.zero,
+                shape=shape,
             )
-            if self.setup.master_dtype:
+            if master:
+                at = clock.casts[name]
                 self.add(
                     f"{name}.master.grad",
                     Category.GRADIENTS,
                     "master_grad",
-                    self.setup.master_dtype,
+                    master,
                     n,
-                    alloc_event=casts[name],
-                    free_event=zero,
+                    alloc_event=at,
+                    free_event=clock.zero,
                     shape=shape,
                 )
-        if self.first and spec.tied and setup.lora_rank == 0:
+        if self.first and self.spec.tied and self.setup.lora_rank == 0:
             # the embedding's own gradient is computed whole, then accumulated into the head's
-            self.work("embedding.grad_contribution", a, _div(V * H, t), bwd["embed"])
+            self.work(
+                "embedding.grad_contribution",
+                self.a,
+                _div(self.spec.vocab_size * self.spec.hidden_size, self.t),
+                bwd["embed"],
+            )
 
-        # optimizer temporaries
+    def _optimizer_temporaries(self, opt: int, trainable: list[_Trainable]) -> None:
         state = self.setup.master_dtype or self.setup.moment_dtype
         if self.setup.optimizer in ("adamw", "adam") and trainable:
             if self.setup.device == "cpu":  # per tensor: sqrt(v) and sqrt(v)/c live together

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainledger.analytic._config import ArchSpec
+from trainledger.analytic._arch import ArchSpec
 
 
 @dataclass(frozen=True, slots=True)

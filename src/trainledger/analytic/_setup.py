@@ -64,9 +64,13 @@ class Setup:
 
     def __post_init__(self) -> None:
         whole_number(self.micro_batch, "micro-batch (sequences)", limit=MAX_MICRO_BATCH)
-        whole_number(self.seq_len, "sequence length (tokens)", limit=MAX_SEQ_LEN)
-        if self.seq_len < 2:
-            raise InputError(f"sequence length {self.seq_len} must be at least 2 (the loss predicts the next token)")
+        whole_number(
+            self.seq_len,
+            "sequence length (tokens)",
+            minimum=2,
+            limit=MAX_SEQ_LEN,
+            minimum_why="the loss predicts the next token",
+        )
         whole_number(self.remat_every, "recomputation interval (every k-th layer)")
         whole_number(self.tensor_parallel, "tensor-parallel degree")
         whole_number(self.pipeline_parallel, "pipeline-parallel degree (stages)")

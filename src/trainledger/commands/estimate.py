@@ -8,8 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.analytic import OPTIMIZERS, RECIPES, REMATS, Setup
-from trainledger.analytic._estimate import EstimateResult, estimate
+from trainledger.analytic import OPTIMIZERS, RECIPES, REMATS, EstimateResult, Setup, estimate
 from trainledger.commands.common import add_json_flag, emit, positive_int
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
@@ -116,6 +115,7 @@ def check_lora_flags(args: argparse.Namespace) -> None:
 
 
 def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
+    """The :class:`Setup` the step flags describe (a flag a command does not have takes its default)."""
     targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
     fields = dict(
         micro_batch=getattr(args, "micro_batch", 1),
@@ -123,15 +123,15 @@ def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
         recipe=args.dtype,
         optimizer=args.optimizer,
         attn_impl=args.attn,
-        device=args.device_kind,
+        device=getattr(args, "device_kind", "cuda"),
         remat=getattr(args, "remat", "none"),
         remat_every=getattr(args, "remat_every", None) or 1,
         lora_rank=args.lora_rank,
         lora_targets=targets,
         reference=args.reference,
-        tensor_parallel=args.tensor_parallel,
-        sequence_parallel=args.sequence_parallel,
-        pipeline_parallel=args.pipeline_parallel,
+        tensor_parallel=getattr(args, "tensor_parallel", 1),
+        sequence_parallel=getattr(args, "sequence_parallel", False),
+        pipeline_parallel=getattr(args, "pipeline_parallel", 1),
     )
     fields.update(overrides)
     return Setup(**fields)  # type: ignore[arg-type]

@@ -8,8 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.analytic import RECIPES, Setup
-from trainledger.analytic._fit import FitOptions, FitResult, fit
+from trainledger.analytic import RECIPES, FitOptions, FitResult, Setup, fit
 from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
 from trainledger.commands.estimate import add_setup_flags, check_lora_flags, setup_from
 from trainledger.errors import InputError

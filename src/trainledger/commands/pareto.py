@@ -18,7 +18,7 @@ from trainledger.commands.common import (
 )
 from trainledger.commands.plan import add_cost_flag, require_model, require_solvers
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
-from trainledger.workload import load_workload
+from trainledger.sources import load_workload
 
 if TYPE_CHECKING:
     from trainledger.remat import ParetoResult, Point

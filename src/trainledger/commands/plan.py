@@ -14,7 +14,7 @@ from trainledger.commands.common import add_json_flag, add_model_flag, input_pat
 from trainledger.errors import InputError
 from trainledger.report.exports import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
-from trainledger.workload import load_workload
+from trainledger.sources import load_workload
 
 if TYPE_CHECKING:
     from trainledger.remat import PlanResult

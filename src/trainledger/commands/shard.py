@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 from typing import Any
 
 from rich.console import Console
@@ -29,9 +28,16 @@ from trainledger.report.terminal import (
     notes_text,
     print_renderables,
 )
-from trainledger.shard import ShardReport, ShardSummary
-from trainledger.shard.comm import CommTime, estimate_time
-from trainledger.shard.transform import ENGINES, ShardConfig, parse_strategy, shard
+from trainledger.shard import (
+    ENGINES,
+    CommTime,
+    ShardConfig,
+    ShardReport,
+    ShardSummary,
+    estimate_time,
+    parse_strategy,
+    shard,
+)
 from trainledger.state import spec_state
 from trainledger.units import format_bytes
 
@@ -132,17 +138,12 @@ def compute(args: argparse.Namespace) -> ShardReport:
     compute_seconds = None
     fsdp_facts: dict[str, Any] = {}
     if args.model:
-        from trainledger.shard.launch import _units_of, late_units
-        from trainledger.trace import trace
-        from trainledger.workload import load_workload
+        from trainledger.shard.launch import reference_step
 
-        workload = load_workload(args.model)
-        ledger = trace(workload)
-        source = f"{args.model}, traced in one process"
-        engine = args.engine or "torch"
-        compute_seconds = _phase_seconds(workload) if args.link_gbps is not None else None
-        units = _units_of(workload.model)
-        fsdp_facts = {"units": units, "late_units": late_units(workload, units)}
+        ref = reference_step(args.model, time_phases=args.link_gbps is not None)
+        ledger, source, engine = ref.ledger, f"{args.model}, traced in one process", args.engine or "torch"
+        compute_seconds = ref.phase_seconds.measured() if ref.phase_seconds is not None else None
+        fsdp_facts = {"units": ref.units, "late_units": ref.late_units}
     elif args.params:
         result = spec_state(state_cmd.spec_from_args(args))
         ledger, source, engine = result.ledger, result.source, args.engine or "deepspeed"
@@ -166,17 +167,6 @@ def compute(args: argparse.Namespace) -> ShardReport:
             else None
         )
     return ShardReport(source, tuple(results), tuple(times))
-
-
-def _phase_seconds(workload: Any) -> dict[str, float]:
-    """Wall time of each phase of one untraced step (the compute collectives can hide behind)."""
-    import time
-
-    from trainledger.workload import run_step
-
-    marks: list[tuple[str, float]] = []
-    run_step(workload, on_phase=lambda phase: marks.append((phase, time.perf_counter())))
-    return {a: t1 - t0 for (a, t0), (_, t1) in itertools.pairwise(marks)}
 
 
 def run(args: argparse.Namespace) -> int:

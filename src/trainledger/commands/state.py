@@ -19,8 +19,8 @@ from trainledger.report.terminal import (
     peak_text,
     print_renderables,
 )
+from trainledger.sources import load_workload
 from trainledger.state import StateResult, spec_state, workload_state
-from trainledger.workload import load_workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,7 +18,7 @@ from trainledger.commands.common import (
     positive_int,
     print_json,
 )
-from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags
+from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
 from trainledger.errors import InputError
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
 from trainledger.report.terminal import (
@@ -31,9 +31,10 @@ from trainledger.report.terminal import (
     peak_text,
     print_renderables,
 )
-from trainledger.shard.transform import parse_strategy
+from trainledger.shard import parse_strategy
+from trainledger.sources import load_workload
 from trainledger.trace import TraceReport
-from trainledger.workload import Workload, load_workload
+from trainledger.workload import Workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,22 +68,11 @@ def workload_for(args: argparse.Namespace) -> Workload:
         raise InputError("give either --model or --hf-config, not both")
     given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
     if args.hf_config:
-        from trainledger.hf import workload_from_hf_config
+        from trainledger.hf import workload_from_setup
 
-        step = {**STEP_DEFAULTS, **given}
-        check_lora_flags(argparse.Namespace(**step))
-        return workload_from_hf_config(
-            args.hf_config,
-            micro_batch=step["micro_batch"],
-            seq_len=step["seq_len"],
-            recipe=step["dtype"],
-            optimizer=step["optimizer"],
-            attn_impl=step["attn"],
-            lora_rank=step["lora_rank"],
-            lora_targets=[t for t in (step["lora_targets"] or "").split(",") if t] or None,
-            reference=step["reference"],
-            fake=args.fake,
-        )
+        step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
+        check_lora_flags(step)
+        return workload_from_setup(args.hf_config, setup_from(step), fake=args.fake)
     if not args.model:
         raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
     if given:
@@ -159,7 +149,7 @@ def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()
                 f"measured peak {m.peak_bytes:,} bytes ({both_units(m.peak_bytes)}), evidence measured on {m.device}"
                 f" (start from {m.start_source}); traced {m.traced_peak.bytes:,}; workspace not visible as tensors "
                 f"{m.unseen_workspace_bytes:,} bytes (kernel-internal buffers, allocator rounding)"
-                + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes else "")
+                + (f"; reserved peak {m.reserved_peak_bytes:,}" if m.reserved_peak_bytes is not None else "")
                 + "\nstep time {1:.2f} ms median, {0:.2f} fastest, {2:.2f} slowest".format(
                     *(t * 1e3 for t in m.step_spread_seconds)
                 )

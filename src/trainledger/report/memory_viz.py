@@ -12,6 +12,7 @@ import bisect
 import os
 import pickle
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ ALIGN_BYTES = 512
 BASE_ADDRESS = 0x7F00_0000_0000
 # memory_viz's unpickler (``unpickle`` in torch/utils/viz/MemoryViz.js) accepts protocols 2 to 4.
 PICKLE_PROTOCOL = 4
+# The site of entries that existed before the step.
+_BEFORE = "<before the step>"
 
 # --- memory_viz snapshot ------------------------------------------------------------------------------
 
@@ -121,56 +124,13 @@ def to_memory_viz_snapshot(ledger: Ledger) -> dict[str, Any]:
         >>> [(t["action"], t["size"]) for t in snap["device_traces"][0]][:4]
         [('alloc', 1024), ('alloc', 512), ('free_requested', 512), ('free_completed', 512)]
     """
-    n = ledger.num_events
-    events = ledger.events
     starts, durations = event_times_us(ledger)
     end_time = starts[-1] + durations[-1]
-    before = "<before the step>"
-
-    allocs_at: list[list[int]] = [[] for _ in range(n + 1)]
-    frees_at: list[list[int]] = [[] for _ in range(n + 1)]
-    kept: list[Entry] = []
-    cat_rank = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
-    for e in ledger.entries:
-        start, stop = entry_interval(e, n)
-        if e.nbytes <= 0 or stop <= start:
-            continue  # never occupies memory on this clock
-        kept.append(e)
-    # Pre-existing entries first, in the fixed category order (the viewer's legend follows first use).
-    kept.sort(key=lambda e: (e.alloc_event is not None, cat_rank[str(e.category)] if e.alloc_event is None else 0))
-    for k, e in enumerate(kept):
-        start, stop = entry_interval(e, n)
-        allocs_at[start].append(k)
-        if e.free_event is not None:
-            frees_at[stop].append(k)
-
-    heap = _FirstFit()
-    addr: list[int] = [0] * len(kept)
-    alloc_frames: list[list[dict[str, Any]]] = [[] for _ in kept]
-    trace: list[dict[str, Any]] = []
-    sites: dict[int | None, dict[str, Any]] = {}  # one frame object per site: the pickle stores it once
-
-    def site(index: int | None) -> dict[str, Any]:
-        if index not in sites:
-            sites[index] = _site_frame(events, index, before=before)
-        return sites[index]
-
-    for t in range(n + 1):
-        time_us = starts[t] if t < n else end_time
-        for k in frees_at[t]:
-            e = kept[k]
-            frames = [alloc_frames[k][0], site(e.free_event)]
-            for action in ("free_requested", "free_completed"):
-                trace.append(_trace_entry(action, addr[k], e, time_us, frames))
-            heap.release(addr[k] - BASE_ADDRESS, e.nbytes)
-        for k in allocs_at[t]:
-            e = kept[k]
-            addr[k] = BASE_ADDRESS + heap.alloc(e.nbytes)
-            alloc_frames[k] = [_entry_frame(e), site(e.alloc_event)]
-            trace.append(_trace_entry("alloc", addr[k], e, time_us, alloc_frames[k]))
+    kept = _kept_entries(ledger)
+    replayed = _replay(ledger, kept, starts, end_time)
     # The viewer (annotate_snapshot in MemoryViz.js) appends "unknown" to the categories it has seen and
     # fails if it is missing; real snapshots carry a "snapshot" marker, which also names that category.
-    trace.append(
+    replayed.trace.append(
         {
             "action": "snapshot",
             "addr": 0,
@@ -181,15 +141,77 @@ def to_memory_viz_snapshot(ledger: Ledger) -> dict[str, Any]:
             "category": "unknown",
         }
     )
-
     device = _device_index(ledger.device)
     segments = []
-    if heap.top:
-        at_end = sorted((addr[k], kept[k].nbytes, k) for k in range(len(kept)) if kept[k].free_event is None)
-        segments.append(_segment(device, heap.top, [(a, size, alloc_frames[k]) for a, size, k in at_end]))
+    if replayed.heap.top:
+        at_end = sorted((replayed.addr[k], e.nbytes, k) for k, e in enumerate(kept) if e.free_event is None)
+        live = [(a, size, replayed.alloc_frames[k]) for a, size, k in at_end]
+        segments.append(_segment(device, replayed.heap.top, live))
     device_traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
-    device_traces[device] = trace
+    device_traces[device] = replayed.trace
     return {"segments": segments, "device_traces": device_traces}
+
+
+def _kept_entries(ledger: Ledger) -> list[Entry]:
+    """The entries that occupy memory on the clock: those that existed before the step first, in the fixed
+    category order (the viewer's legend follows first use), then the step's own in ledger order."""
+    n = ledger.num_events
+    kept = [e for e in ledger.entries if e.nbytes > 0 and _lives(e, n)]
+    cat_rank = {c.value: i for i, c in enumerate(CATEGORY_ORDER)}
+    kept.sort(key=lambda e: (e.alloc_event is not None, cat_rank[str(e.category)] if e.alloc_event is None else 0))
+    return kept
+
+
+def _lives(e: Entry, n: int) -> bool:
+    start, stop = entry_interval(e, n)
+    return stop > start
+
+
+@dataclass
+class _Replayed:
+    """The device trace of the kept entries, with where each was placed."""
+
+    trace: list[dict[str, Any]]
+    addr: list[int]
+    """Each kept entry's synthetic address."""
+    alloc_frames: list[list[dict[str, Any]]]
+    heap: _FirstFit
+
+
+def _replay(ledger: Ledger, kept: list[Entry], starts: Sequence[float], end_time: float) -> _Replayed:
+    """Every kept entry's ``alloc`` and ``free_requested`` + ``free_completed``, event by event; within
+    an event the frees come before the allocations, so the allocated bytes after event ``e`` are the
+    ledger's total at ``e``."""
+    n = ledger.num_events
+    allocs_at: list[list[int]] = [[] for _ in range(n + 1)]
+    frees_at: list[list[int]] = [[] for _ in range(n + 1)]
+    for k, e in enumerate(kept):
+        start, stop = entry_interval(e, n)
+        allocs_at[start].append(k)
+        if e.free_event is not None:
+            frees_at[stop].append(k)
+    out = _Replayed(trace=[], addr=[0] * len(kept), alloc_frames=[[] for _ in kept], heap=_FirstFit())
+    sites: dict[int | None, dict[str, Any]] = {}  # one frame object per site: the pickle stores it once
+
+    def site(index: int | None) -> dict[str, Any]:
+        if index not in sites:
+            sites[index] = _site_frame(ledger.events, index, before=_BEFORE)
+        return sites[index]
+
+    for t in range(n + 1):
+        time_us = starts[t] if t < n else end_time
+        for k in frees_at[t]:
+            e = kept[k]
+            frames = [out.alloc_frames[k][0], site(e.free_event)]
+            for action in ("free_requested", "free_completed"):
+                out.trace.append(_trace_entry(action, out.addr[k], e, time_us, frames))
+            out.heap.release(out.addr[k] - BASE_ADDRESS, e.nbytes)
+        for k in allocs_at[t]:
+            e = kept[k]
+            out.addr[k] = BASE_ADDRESS + out.heap.alloc(e.nbytes)
+            out.alloc_frames[k] = [_entry_frame(e), site(e.alloc_event)]
+            out.trace.append(_trace_entry("alloc", out.addr[k], e, time_us, out.alloc_frames[k]))
+    return out
 
 
 def _trace_entry(action: str, addr: int, e: Entry, time_us: float, frames: list[dict[str, Any]]) -> dict[str, Any]:

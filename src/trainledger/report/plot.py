@@ -136,17 +136,43 @@ def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
     fig = Figure(figsize=(12, 6), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-
-    # Each event occupies [i, i + 1) on the x axis: a step function, drawn with one extra point at the end.
-    x = list(range(n + 1))
-    ys = [[v / scale for v in timeline[c]] + [timeline[c][-1] / scale] for c in cats]
     top = max(peak.bytes, sum_max) / scale
     ax.set_xlim(0, n)
     ax.set_ylim(0, top * 1.18 if top else 1)
+    _draw_phases(ax, ledger)
+    if cats:
+        # Each event occupies [i, i + 1) on the x axis: a step function, drawn with one extra point at the end.
+        ys = [[v / scale for v in timeline[c]] + [timeline[c][-1] / scale] for c in cats]
+        ax.stackplot(
+            list(range(n + 1)),
+            *ys,
+            labels=cats,
+            colors=[CATEGORY_COLORS[c] for c in cats],
+            step="post",
+            lw=0,
+            zorder=2,
+        )
+    if sum_max > peak.bytes:
+        ax.axhline(
+            sum_max / scale,
+            color="#777777",
+            lw=1,
+            ls=(0, (4, 3)),
+            zorder=3,
+            label="sum of category maxima\n(not simultaneous)",
+        )
+    _draw_peak(ax, ledger, scale, unit)
+    _label_axes(ax, ledger, unit, title)
+    fig.tight_layout()
+    return fig
 
+
+def _draw_phases(ax: Any, ledger: Ledger) -> None:
+    """A band of colour behind each phase, named where it is wide enough to hold the name."""
+    n = ledger.num_events
     for phase, first, stop in phase_runs(ledger):
         ax.axvspan(first, stop, color=PHASE_COLORS.get(phase, _OTHER_PHASE_COLOR), zorder=0, lw=0)
-        if (stop - first) / n >= 0.04:  # label bands wide enough to hold their name
+        if (stop - first) / n >= 0.04:
             ax.text(
                 (first + stop) / 2,
                 0.985,
@@ -157,34 +183,17 @@ def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
                 fontsize=9,
                 color="#555555",
             )
-    if ys:
-        ax.stackplot(
-            x,
-            *ys,
-            labels=cats,
-            colors=[CATEGORY_COLORS[c] for c in cats],
-            step="post",
-            lw=0,
-            zorder=2,
-        )
 
-    if sum_max > peak.bytes:
-        ax.axhline(
-            sum_max / scale,
-            color="#777777",
-            lw=1,
-            ls=(0, (4, 3)),
-            zorder=3,
-            label="sum of category maxima\n(not simultaneous)",
-        )
 
+def _draw_peak(ax: Any, ledger: Ledger, scale: int, unit: str) -> None:
+    """The peak instant: a dotted line, a marker, and its label on the side with room."""
+    peak = ledger.peak()
     px, py = peak.event + 0.5, peak.bytes / scale
     ax.axvline(px, color="#222222", lw=0.8, ls=":", zorder=3)
     ax.plot([px], [py], marker="v", color="#222222", ms=7, zorder=4, ls="none")
-    label = peak_label(ledger, _fmt(peak.bytes, scale, unit))
-    right_half = px > n / 2
+    right_half = px > ledger.num_events / 2
     ax.annotate(
-        label,
+        peak_label(ledger, _fmt(peak.bytes, scale, unit)),
         xy=(px, py),
         xytext=(-12 if right_half else 12, 14),
         textcoords="offset points",
@@ -196,7 +205,10 @@ def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
         zorder=5,
     )
 
-    if n > 1:
+
+def _label_axes(ax: Any, ledger: Ledger, unit: str, title: str | None) -> None:
+    """Axis labels with the unit defined, a light grid, the title and the legend."""
+    if ledger.num_events > 1:
         ax.set_xlabel("event (one per op on the step's clock)")
     else:  # one instant: an x axis would only show meaningless fractions
         ax.set_xticks([])
@@ -208,8 +220,6 @@ def timeline_figure(ledger: Ledger, *, title: str | None = None) -> Any:
     ax.set_title(title if title is not None else _default_title(ledger), loc="left", fontsize=12)
     if ax.get_legend_handles_labels()[0]:  # an empty ledger has nothing to name
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
-    fig.tight_layout()
-    return fig
 
 
 def _fmt(nbytes: int, scale: int, unit: str) -> str:

@@ -7,16 +7,12 @@ reduce-scatter: its input), so they can be compared with what a wrapper around t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from trainledger.ledger import Category, Entry
-from trainledger.shard._fsdp import order_of
+from trainledger.shard._comm import Collective
+from trainledger.shard._context import Context
 from trainledger.shard._partition import shard_rows
-from trainledger.shard.comm import Collective
 from trainledger.units import dtype_bytes
-
-if TYPE_CHECKING:
-    from trainledger.shard.transform import _Context
 
 DDP_FIRST_BUCKET_BYTES = 2**20
 """DDP's first gradient bucket holds about 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``), so the first
@@ -26,12 +22,12 @@ DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20
 (``DistributedDataParallel.broadcast_bucket_size``)."""
 
 
-def step_collectives(ctx: _Context) -> list[Collective]:
+def step_collectives(ctx: Context) -> list[Collective]:
     """The collectives of one step, per rank, as the plan's engine issues them."""
     plan, cfg = ctx.plan, ctx.config
     n = plan.shard_size
     trainable = [p for p in ctx.params if p.category == Category.WEIGHTS]
-    gdtype, gsize = ctx._grad_dtype_bytes()
+    gdtype, gsize = ctx.grad_dtype_bytes()
     if cfg.world_size == 1:
         return []
     if plan.buffers in ("ddp", "bucket"):
@@ -70,7 +66,7 @@ def step_collectives(ctx: _Context) -> list[Collective]:
     groups = ctx.unit_params()
     names = list(groups)
     if ctx.traced:
-        fwd_order = [u for u in order_of(ctx.spans, "forward") if u in groups]
+        fwd_order = ctx.units_in_order("forward")
         names = fwd_order + [u for u in names if u not in fwd_order]
 
     def gather(unit: str, phase: str) -> None:
@@ -128,7 +124,7 @@ def ddp_buckets(grads: Sequence[tuple[str, int]], bucket_bytes: int) -> list[int
     return sizes
 
 
-def _ready_order(ctx: _Context, trainable: list[Entry]) -> list[tuple[str, int]]:
+def _ready_order(ctx: Context, trainable: list[Entry]) -> list[tuple[str, int]]:
     """``(dtype, bytes)`` of each trainable parameter's gradient in the order backward produces them (the
     traced gradients' allocation events; the reverse of the parameter order without a trace)."""
     born: dict[str, int] = {}

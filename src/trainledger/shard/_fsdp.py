@@ -24,16 +24,65 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Evidence
-from trainledger.shard._partition import shard_rows
+from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event
+from trainledger.shard._context import Context, added_entry
+from trainledger.shard._partition import resized, shard_rows
 from trainledger.shard._units import unit_of
 from trainledger.units import dtype_bytes
 
-if TYPE_CHECKING:
-    from trainledger.shard.transform import _Context
+_COMM, _WEIGHTS = Category.COMMUNICATION, Category.WEIGHTS
+
+
+def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tuple[Event, ...], list[Entry]]:
+    """Events with FSDP's hooks inserted, and the rank's entries on that clock.
+
+    ``base`` holds the rank's entries other than gradients, gathered parameters and buffers (sharded
+    weights, optimizer state, activations…), on the original clock.
+    """
+    sizes = _unit_sizes(ctx, srank)
+    forward, backward = ctx.units_in_order("forward"), ctx.units_in_order("backward")
+    clock = _clock(ctx, _hooks(ctx, forward, backward, sizes))
+    out = [clock.remap(e) for e in base]
+    out += _forward_buffers(ctx, clock, sizes, forward)
+    if ctx.plan.regather_backward:
+        out += _backward_buffers(ctx, clock, sizes, backward)
+    out += _reduce_scatter_buffers(ctx, clock, sizes)
+    out += _gradients(ctx, clock, srank)
+    return clock.events, out
+
+
+# --- what each unit gathers and reduces ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _UnitSizes:
+    """Per unit, on this rank: what its all-gather produces and its reduce-scatter takes."""
+
+    gathered_bytes: dict[str, int]
+    """``S_u``: every parameter's padded shard times ``N``, in bytes (the flat buffer, and the parameters)."""
+    dtype: dict[str, str]
+    """The dtype the unit's gathered buffers are counted in (its first parameter's)."""
+    grad_numel: dict[str, int]
+    """``G_u``: the padded gradients of the unit's trainable parameters times ``N``, in elements."""
+
+
+def _unit_sizes(ctx: Context, srank: int) -> _UnitSizes:
+    n, groups = ctx.plan.shard_size, ctx.unit_params()
+
+    def padded_full(p: Entry) -> int:
+        return shard_rows(p.numel, p.shape, n, srank, "dim0")[0] * n
+
+    return _UnitSizes(
+        gathered_bytes={u: sum(padded_full(p) * dtype_bytes(p.dtype) for p in ps) for u, ps in groups.items()},
+        dtype={u: ps[0].dtype for u, ps in groups.items()},
+        grad_numel={u: sum(padded_full(p) for p in ps if p.category == Category.WEIGHTS) for u, ps in groups.items()},
+    )
+
+
+# --- the clock with FSDP's hooks -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -42,157 +91,198 @@ class _Hook:
     unit: str
 
 
-def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tuple[Event, ...], list[Entry]]:
-    """Events with FSDP's hooks inserted, and the rank's entries on that clock.
+def _last_backward(ctx: Context) -> int:
+    return ctx.last_backward if ctx.last_backward is not None else ctx.ledger.num_events - 1
 
-    ``base`` holds the rank's entries other than gradients, gathered parameters and buffers (sharded
-    weights, optimizer state, activations…), on the original clock.
-    """
-    led, plan, cfg = ctx.ledger, ctx.plan, ctx.config
-    n = plan.shard_size
-    groups = ctx.unit_params()
-    num_old = led.num_events
-    spans = ctx.spans
-    fwd = [u for u in order_of(spans, "forward") if u in groups]
-    bwd = [u for u in order_of(spans, "backward") if u in groups]
 
-    def padded_full(p: Entry) -> int:
-        return shard_rows(p.numel, p.shape, n, srank, "dim0")[0] * n
+def _late(ctx: Context) -> set[str]:
+    """Units reduced in FSDP's final callback, at the end of backward: the root, and units whose forward
+    inputs need no gradient (see ``ShardConfig.late_units``)."""
+    return {"", *ctx.config.late_units}
 
-    gdtype, gsize = ctx._grad_dtype_bytes()
-    s_bytes = {u: sum(padded_full(p) * dtype_bytes(p.dtype) for p in ps) for u, ps in groups.items()}
-    pdtype = {u: ps[0].dtype for u, ps in groups.items()}
-    g_numel = {u: sum(padded_full(p) for p in ps if p.category == Category.WEIGHTS) for u, ps in groups.items()}
 
-    # --- the hooks, placed in the gap before each old event (index num_old: after the last) ---
+def _hooks(ctx: Context, forward: list[str], backward: list[str], sizes: _UnitSizes) -> dict[int, list[_Hook]]:
+    """The hooks that run in the gap before each old event (index ``num_events``: after the last)."""
+    spans, late = ctx.spans, _late(ctx)
     before: dict[int, list[_Hook]] = {}
-    regather = plan.regather_backward
-    for u in fwd:
+    for u in forward:
         before.setdefault(spans[(u, "forward")][0], []).append(_Hook("pre_forward", u))
-    phases_old = [ev.phase for ev in led.events]
-    last_bwd = max((i for i, ph in enumerate(phases_old) if ph == "backward"), default=num_old - 1)
-    late = {"", *cfg.late_units}  # reduced in FSDP's final callback, at the end of backward
-    module_order = {u: k for k, u in enumerate(("", *ctx.units))}
-    for u in bwd:
+    for u in backward:
         b0, b1 = spans[(u, "backward")]
-        if regather:
+        if ctx.plan.regather_backward:
             before.setdefault(b0, []).append(_Hook("pre_backward", u))
-        if g_numel[u]:
-            before.setdefault(last_bwd + 1 if u in late else b1 + 1, []).append(_Hook("post_backward", u))
+        if sizes.grad_numel[u]:
+            before.setdefault(_last_backward(ctx) + 1 if u in late else b1 + 1, []).append(_Hook("post_backward", u))
+    return before
+
+
+def _in_gap_order(ctx: Context, hooks: Sequence[_Hook]) -> list[_Hook]:
+    """Hooks of one gap in the order they run: post-backwards first — hooked units inside autograd
+    (innermost first), then the final callback's in module order — then the pre-hooks, outermost first."""
+    if not hooks:
+        return []
+    late, module_order = _late(ctx), {u: k for k, u in enumerate(("", *ctx.units))}
 
     def post_key(h: _Hook) -> tuple[int, int]:
-        # hooked units fire inside autograd (innermost first), then the final callback in module order
         return (1, module_order.get(h.unit, 0)) if h.unit in late else (0, -len(h.unit))
 
-    events: list[Event] = []
-    new_of = [0] * (num_old + 1)
-    gap_start = [0] * (num_old + 1)
-    at: dict[tuple[str, str], int] = {}  # (kind, unit) -> index of its (first) hook event
-    for i in range(num_old + 1):
-        gap_start[i] = len(events)
-        hooks = before.get(i, [])
-        posts = sorted((h for h in hooks if h.kind == "post_backward"), key=post_key)
-        pres = sorted((h for h in hooks if h.kind != "post_backward"), key=lambda h: len(h.unit))
-        for h in (*posts, *pres):
-            at[(h.kind, h.unit)] = len(events)
-            label = h.unit or ROOT_SCOPE  # as the tracer names the root module
-            if h.kind == "post_backward":
-                events.append(Event(len(events), "backward", "fsdp.reduce_scatter_copy_in", label))
-                events.append(Event(len(events), "backward", "fsdp.reduce_scatter", label))
-            elif h.kind == "pre_forward":
-                events.append(Event(len(events), "forward", "fsdp.all_gather", label))
-            else:  # gather and copy out, then prefetch the next units
-                events.append(Event(len(events), "backward", "fsdp.all_gather", label))
-                events.append(Event(len(events), "backward", "fsdp.prefetch", label))
-        if i < num_old:
-            new_of[i] = len(events)
-            events.append(replace(led.events[i], index=len(events)))
-    new_of[num_old] = len(events)
-    total = len(events)
-    # the root's post-forward (when the model returns, before a loss computed outside it) frees the last
-    # unit's flat buffer
-    root_fwd = spans.get(("", "forward"))
-    first_after = next((i for i, ph in enumerate(phases_old) if ph != "forward"), num_old)
-    end_forward = gap_start[root_fwd[1] + 1 if root_fwd else first_after]
-    end_backward = max([gap_start[min(last_bwd + 1, num_old)]] + [at[k] + 2 for k in at if k[0] == "post_backward"])
+    posts = sorted((h for h in hooks if h.kind == "post_backward"), key=post_key)
+    pres = sorted((h for h in hooks if h.kind != "post_backward"), key=lambda h: len(h.unit))
+    return [*posts, *pres]
 
-    def remap(e: Entry) -> Entry:
+
+def _hook_events(h: _Hook, first: int) -> list[Event]:
+    """The events of one hook, from index ``first`` (two for a post-backward and a pre-backward)."""
+    label = h.unit or ROOT_SCOPE  # as the tracer names the root module
+    if h.kind == "post_backward":
+        ops = [("backward", "fsdp.reduce_scatter_copy_in"), ("backward", "fsdp.reduce_scatter")]
+    elif h.kind == "pre_forward":
+        ops = [("forward", "fsdp.all_gather")]
+    else:  # gather and copy out, then prefetch the next units
+        ops = [("backward", "fsdp.all_gather"), ("backward", "fsdp.prefetch")]
+    return [Event(first + k, phase, op, label) for k, (phase, op) in enumerate(ops)]
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """The step's events with FSDP's hook events inserted between them, and where old points land."""
+
+    events: tuple[Event, ...]
+    new_of: list[int]
+    """Old event index -> its new index (``num_events`` -> the new end)."""
+    gap_start: list[int]
+    """Old event index -> the first new event of the gap before it (hooks, if any, then the event)."""
+    at: dict[tuple[str, str], int]
+    """``(kind, unit)`` -> the new index of that hook's first event."""
+    end_forward: int
+    """The root's post-forward: the model has returned (a loss computed outside it runs after)."""
+    end_backward: int
+    """After the last post-backward hook, or the end of backward."""
+
+    @property
+    def total(self) -> int:
+        return len(self.events)
+
+    def remap(self, e: Entry) -> Entry:
+        """An entry of the old clock on this one: allocated at its event, freed in the gap before its free."""
+        last = len(self.new_of) - 2  # the last old event
         return replace(
             e,
-            alloc_event=None if e.alloc_event is None else new_of[e.alloc_event],
-            free_event=None if e.free_event is None else gap_start[e.free_event],
-            last_use_event=None if e.last_use_event is None else new_of[min(e.last_use_event, num_old - 1)],
+            alloc_event=None if e.alloc_event is None else self.new_of[e.alloc_event],
+            free_event=None if e.free_event is None else self.gap_start[e.free_event],
+            last_use_event=None if e.last_use_event is None else self.new_of[min(e.last_use_event, last)],
         )
 
-    out = [remap(e) for e in base]
+    def window(
+        self, name: str, category: Category, role: str, dtype: str, nbytes: int, start: int, stop: int
+    ) -> list[Entry]:
+        """An FSDP buffer live from ``start`` up to ``stop``, or nothing when it is empty."""
+        if not nbytes or stop <= start:
+            return []
+        return [added_entry(name, category, role, dtype, nbytes, start, min(stop, self.total))]
 
-    def buf(name: str, role: str, cat: Category, dtype: str, nbytes: int, start: int, stop: int | None) -> None:
-        stop = total if stop is None else stop
-        if nbytes and stop > start:
-            size = dtype_bytes(dtype)
-            out.append(
-                Entry(
-                    name=name,
-                    category=cat,
-                    role=role,
-                    dtype=dtype,
-                    numel=nbytes // size,
-                    nbytes=nbytes,
-                    owner="shard",
-                    alloc_event=start,
-                    free_event=min(stop, total),
-                    evidence=Evidence.ANALYTIC,
-                )
-            )
 
-    comm, weights = Category.COMMUNICATION, Category.WEIGHTS
-    # --- forward: gather, copy out; keep the flat buffer until the next copy-out ---
-    for k, u in enumerate(fwd):
+def _clock(ctx: Context, before: dict[int, list[_Hook]]) -> _Clock:
+    old = ctx.ledger.events
+    num_old = len(old)
+    events: list[Event] = []
+    new_of, gap_start = [0] * (num_old + 1), [0] * (num_old + 1)
+    at: dict[tuple[str, str], int] = {}
+    for i in range(num_old + 1):
+        gap_start[i] = len(events)
+        for h in _in_gap_order(ctx, before.get(i, [])):
+            at[(h.kind, h.unit)] = len(events)
+            events += _hook_events(h, len(events))
+        if i < num_old:
+            new_of[i] = len(events)
+            events.append(replace(old[i], index=len(events)))
+    new_of[num_old] = len(events)
+    root_forward = ctx.spans.get(("", "forward"))
+    first_after = next((i for i, ev in enumerate(old) if ev.phase != "forward"), num_old)
+    end_forward = gap_start[root_forward[1] + 1 if root_forward else first_after]
+    posts = [at[k] + 2 for k in at if k[0] == "post_backward"]
+    end_backward = max([gap_start[min(_last_backward(ctx) + 1, num_old)], *posts])
+    return _Clock(tuple(events), new_of, gap_start, at, end_forward, end_backward)
+
+
+# --- the buffers and gradients on that clock -----------------------------------------------------------
+
+
+def _forward_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes, forward: list[str]) -> list[Entry]:
+    """Each unit's pre-forward gathers into a flat buffer, kept until the next unit's copy-out (the last
+    one until the root's post-forward), and copies out into the parameters, freed after forward when
+    resharding (else after the unit's backward)."""
+    at, spans, depth = clock.at, ctx.spans, ctx.config.forward_prefetch
+    out: list[Entry] = []
+    for k, u in enumerate(forward):
         label, g = u or "<root>", at[("pre_forward", u)]
-        depth = cfg.forward_prefetch
-        start = at[("pre_forward", fwd[max(0, k - depth)])] if depth else g
+        dtype, nbytes = sizes.dtype[u], sizes.gathered_bytes[u]
+        start = at[("pre_forward", forward[max(0, k - depth)])] if depth else g
         if depth:
             f_stop = g + 1
         else:
-            f_stop = at[("pre_forward", fwd[k + 1])] + 1 if k + 1 < len(fwd) else end_forward
-        buf(f"all-gather output {label} (forward)", "all_gather_output", comm, pdtype[u], s_bytes[u], start, f_stop)
-        f1 = spans[(u, "forward")][1]
-        if regather or (u, "backward") not in spans:
-            p_stop = gap_start[f1 + 1]
+            f_stop = at[("pre_forward", forward[k + 1])] + 1 if k + 1 < len(forward) else clock.end_forward
+        out += clock.window(
+            f"all-gather output {label} (forward)", _COMM, "all_gather_output", dtype, nbytes, start, f_stop
+        )
+        if ctx.plan.regather_backward or (u, "backward") not in spans:
+            p_stop = clock.gap_start[spans[(u, "forward")][1] + 1]
             name = f"gathered params {label} (forward)"
         else:
             post = at.get(("post_backward", u))
-            p_stop = post if post is not None else gap_start[spans[(u, "backward")][1] + 1]
+            p_stop = post if post is not None else clock.gap_start[spans[(u, "backward")][1] + 1]
             name = f"gathered params {label} (forward to backward)"
-        buf(name, "gathered", weights, pdtype[u], s_bytes[u], g, p_stop)
-    # --- backward: gather (or take the prefetched buffer), copy out, prefetch the next ones ---
-    if regather:
-        for k, u in enumerate(bwd):
-            label, g = u or "<root>", at[("pre_backward", u)]
-            depth = cfg.backward_prefetch
-            # prefetched by the unit `depth` earlier, after that unit's own copy-out
-            start = at[("pre_backward", bwd[k - min(depth, k)])] + 1 if depth and k else g
-            buf(f"all-gather output {label} (backward)", "all_gather_output", comm, pdtype[u], s_bytes[u], start, g + 1)
-            post = at.get(("post_backward", u), end_backward)
-            buf(f"gathered params {label} (backward)", "gathered", weights, pdtype[u], s_bytes[u], g, post)
-    # --- post-backward: reduce-scatter input (one in flight), sharded output, gloo's copy ---
-    order = [u for u in sorted(groups, key=lambda u: at.get(("post_backward", u), total)) if ("post_backward", u) in at]
+        out += clock.window(name, _WEIGHTS, "gathered", dtype, nbytes, g, p_stop)
+    return out
+
+
+def _backward_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes, backward: list[str]) -> list[Entry]:
+    """Each unit's pre-backward gathers again (or takes the buffer prefetched by the unit ``depth`` earlier,
+    after that unit's own copy-out), copies out, and frees the flat buffer at once; the parameters live
+    until the unit's post-backward."""
+    at, depth = clock.at, ctx.config.backward_prefetch
+    out: list[Entry] = []
+    for k, u in enumerate(backward):
+        label, g = u or "<root>", at[("pre_backward", u)]
+        dtype, nbytes = sizes.dtype[u], sizes.gathered_bytes[u]
+        start = at[("pre_backward", backward[k - min(depth, k)])] + 1 if depth and k else g
+        out += clock.window(
+            f"all-gather output {label} (backward)", _COMM, "all_gather_output", dtype, nbytes, start, g + 1
+        )
+        post = at.get(("post_backward", u), clock.end_backward)
+        out += clock.window(f"gathered params {label} (backward)", _WEIGHTS, "gathered", dtype, nbytes, g, post)
+    return out
+
+
+def _reduce_scatter_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes) -> list[Entry]:
+    """Each post-backward's reduce-scatter input, one in flight (it lives until the next post-backward or
+    the end of backward), and gloo's full-size copy of it during the call."""
+    dtype, size = ctx.grad_dtype_bytes()
+    posted = [u for u in ctx.unit_params() if ("post_backward", u) in clock.at]
+    order = sorted(posted, key=lambda u: clock.at[("post_backward", u)])
+    out: list[Entry] = []
     for k, u in enumerate(order):
-        label, c = u or "<root>", at[("post_backward", u)]
-        nxt = at[("post_backward", order[k + 1])] if k + 1 < len(order) else end_backward
-        buf(f"reduce-scatter input {label}", "reduce_scatter_input", comm, gdtype, g_numel[u] * gsize, c, nxt)
-        if cfg.reduce_scatter_copy:
-            copy = f"reduce-scatter copy {label}"
-            buf(copy, "reduce_scatter_copy", comm, gdtype, g_numel[u] * gsize, c + 1, c + 2)
-    # --- gradients: unsharded until their unit's reduce-scatter, then the rank's shard ---
+        label, c = u or "<root>", clock.at[("post_backward", u)]
+        nxt = clock.at[("post_backward", order[k + 1])] if k + 1 < len(order) else clock.end_backward
+        nbytes = sizes.grad_numel[u] * size
+        out += clock.window(f"reduce-scatter input {label}", _COMM, "reduce_scatter_input", dtype, nbytes, c, nxt)
+        if ctx.config.reduce_scatter_copy:
+            out += clock.window(
+                f"reduce-scatter copy {label}", _COMM, "reduce_scatter_copy", dtype, nbytes, c + 1, c + 2
+            )
+    return out
+
+
+def _gradients(ctx: Context, clock: _Clock, srank: int) -> list[Entry]:
+    """The model's gradients: unsharded until their unit's reduce-scatter, then the rank's shard until
+    ``zero_grad``. A gradient of a unit with no post-backward stays as traced."""
     grads = [e for e in ctx.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]
     kept = _kept_to_the_end(ctx, grads)
+    out: list[Entry] = []
     for e in grads:
-        p = ctx.param_of(e)
-        like = p if p is not None else e
-        unit = unit_of(like.name, ctx.units)
-        r = remap(e)
-        post = at.get(("post_backward", unit))
+        like = ctx.param_of(e) or e
+        r = clock.remap(e)
+        post = clock.at.get(("post_backward", unit_of(like.name, ctx.units)))
         if post is None:
             out.append(r)
             continue
@@ -200,31 +290,14 @@ def fsdp_rank_timeline(ctx: _Context, srank: int, base: list[Entry]) -> tuple[tu
         # the copied-in gradients are dropped before the reduce-scatter, except the one ``foreach_reduce``'s
         # loop variable still holds: it goes when the hook returns, after the reduce-scatter
         drop = rs + 1 if e.name in kept else rs
-        full = replace(
-            r, free_event=max(r.alloc_event or 0, min(drop, total if r.free_event is None else r.free_event))
-        )
-        shard_numel = ctx.held(e, like, srank)
-        size = e.nbytes // e.numel if e.numel else gsize
-        part = replace(
-            r,
-            name=f"{e.name} (shard)",
-            numel=shard_numel,
-            nbytes=shard_numel * size,
-            shape=(),
-            alloc_event=rs,
-            last_use_event=None,
-        )
-        out += [full, part]
-    return tuple(events), out
+        freed = min(drop, clock.total if r.free_event is None else r.free_event)
+        full = replace(r, free_event=max(r.alloc_event or 0, freed))
+        shard = resized(r, ctx.held(e, like, srank))
+        out += [full, replace(shard, name=f"{e.name} (shard)", shape=(), alloc_event=rs, last_use_event=None)]
+    return out
 
 
-def order_of(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[str]:
-    """Units in the order they start in ``phase`` (the root first: its hooks run before its children's)."""
-    units = [(span[0], unit != "", unit) for (unit, ph), span in spans.items() if ph == phase]
-    return [u for _, _, u in sorted(units)]
-
-
-def _kept_to_the_end(ctx: _Context, grads: list[Entry]) -> set[str]:
+def _kept_to_the_end(ctx: Context, grads: list[Entry]) -> set[str]:
     """The gradient of each unit that lives until its post-backward hook returns.
 
     FSDP2's ``foreach_reduce`` walks the unit's gradients in a ``for`` loop before the copy-in; the loop

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainledger.shard.comm import Collective
+from trainledger.shard._comm import Collective
 
 # --- counting collectives ------------------------------------------------------------------------------
 
@@ -123,7 +123,7 @@ def fsdp_storage_view(model: nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
     from trainledger.ledger import Category
-    from trainledger.trace._tracer import active_tracer
+    from trainledger.trace import active_tracer
 
     original_alloc, original_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
 

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from trainledger.ledger import Category, Entry, Event
+from trainledger.shard._context import Context
 from trainledger.shard._partition import resized
 
-if TYPE_CHECKING:
-    from trainledger.shard.transform import _Context
 
-
-def optimizer_workspace(ctx: _Context, out: list[Entry], kept: int, full: int, srank: int) -> list[Entry]:
+def optimizer_workspace(ctx: Context, out: list[Entry], kept: int, full: int, srank: int) -> list[Entry]:
     """Temporaries of the optimizer step, as the rank's optimizer makes them.
 
     The tracer names the parameter each temporary was made for (its ``owner``). FSDP2's optimizer runs on

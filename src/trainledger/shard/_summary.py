@@ -1,6 +1,6 @@
 """What is reported of a sharded step, as typed summaries that JSON holds and reads back.
 
-A :class:`~trainledger.shard.transform.ShardResult` holds every rank's whole ledger; the reports print
+A :class:`~trainledger.shard.ShardResult` holds every rank's whole ledger; the reports print
 rank 0's tables, every rank's peak and the collectives. :class:`ShardSummary` is exactly that, so the
 ``shard`` command's JSON can be re-opened (``trainledger report``) and printed as the command printed it.
 No torch.
@@ -9,13 +9,10 @@ No torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainledger.ledger import EntryGroup, LedgerSummary, Peak
-from trainledger.shard.comm import Collective, CommTime, payload_by_kind, wire_by_kind
-
-if TYPE_CHECKING:
-    from trainledger.shard.transform import ShardResult
+from trainledger.shard._comm import Collective, CommTime, payload_by_kind, wire_by_kind
 
 
 @dataclass(frozen=True)
@@ -86,36 +83,6 @@ class ShardSummary:
     """The notes of the ledger that was sharded."""
     source_single_instant: bool
     """The sharded ledger was one instant (declared or inventoried state): its totals are model states."""
-
-    @classmethod
-    def of(cls, result: ShardResult) -> ShardSummary:
-        c = result.config
-        source = result.source
-        return cls(
-            strategy=c.strategy,
-            engine=c.engine,
-            label=result.label,
-            world_size=c.world_size,
-            num_nodes=c.num_nodes,
-            units=tuple(result.units),
-            rank0=result.ranks[0].summary(),
-            rank0_groups=result.ranks[0].groups(),
-            ranks=tuple(
-                RankSummary(
-                    first,
-                    led.peak(),
-                    result.model_state_bytes(first),
-                    {k[0]: v for k, v in led.bytes_by("category").items()},
-                    last,
-                    count,
-                )
-                for first, last, count, led in result.rank_classes()
-            ),
-            collectives=tuple(result.collectives),
-            notes=tuple(result.notes),
-            source_notes=tuple(source.notes),
-            source_single_instant=source.num_events == 1 and source.events[0].phase == "state",
-        )
 
     def to_dict(self) -> dict[str, Any]:
         """Rank 0's ledger keys at the top, every rank's summary under ``ranks``."""

@@ -30,6 +30,7 @@ and the gathered storages' resizes with it (see :func:`trainledger.shard._observ
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 import signal
@@ -51,9 +52,8 @@ from torch import nn
 from trainledger.checks import instance_of, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
+from trainledger.shard import Collective, ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
 from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view, settled_collectives
-from trainledger.shard.comm import Collective
-from trainledger.shard.transform import ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
@@ -207,8 +207,9 @@ def run(config: RunConfig) -> RunResult:
         result = run(RunConfig(model="gpt-tiny", world_size=2, strategy="zero3"))
         [r["traced_peak_bytes"] for r in result.to_dict()["ranks"]]
     """
+    from trainledger.sources import load_workload
     from trainledger.trace import trace
-    from trainledger.workload import load_workload, run_step
+    from trainledger.workload import run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
@@ -221,7 +222,7 @@ def run(config: RunConfig) -> RunResult:
         run_step(single)
     reference = trace(single)
     workload = load_workload(config.model)
-    units = _units_of(workload.model)
+    units = units_of(workload.model)
     prediction = shard(
         reference,
         ShardConfig(
@@ -266,7 +267,7 @@ def late_units(workload: Any, units: tuple[str, ...]) -> tuple[str, ...]:
 def _check_model_spec(spec: str) -> None:
     """A built-in name, or an existing ``file.py:factory`` (the factory itself runs in the ranks)."""
     from trainledger.examples import EXAMPLES
-    from trainledger.workload import load_workload
+    from trainledger.sources import load_workload
 
     path, _, factory = spec.rpartition(":")
     if spec in EXAMPLES or (path and Path(path).is_file() and factory.isidentifier()):
@@ -274,9 +275,68 @@ def _check_model_spec(spec: str) -> None:
     load_workload(spec)  # raises the one-line error that names what is wrong
 
 
-def _units_of(model: nn.Module) -> tuple[str, ...]:
+def units_of(model: nn.Module) -> tuple[str, ...]:
+    """The units FSDP wraps (each repeated block; the root takes the rest), as :func:`run` wraps them."""
     names = [n for n, _ in model.named_parameters()]
     return infer_units(names)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseSeconds:
+    """Wall time of each phase of one untraced step: the compute that collectives can hide behind."""
+
+    forward: float | None
+    backward: float | None
+    optimizer: float | None
+    zero_grad: float | None
+    """``None``: the phase was not measured (the step did not run it)."""
+
+    def measured(self) -> dict[str, float]:
+        """``phase -> seconds`` of the phases measured, in step order (as ``estimate_time`` takes them)."""
+        phases = {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer}
+        return {k: v for k, v in {**phases, "zero_grad": self.zero_grad}.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    """One process's step of a workload, as a prediction of its sharded run needs it."""
+
+    ledger: Ledger
+    """The traced step."""
+    units: tuple[str, ...]
+    """FSDP's units (see :func:`units_of`)."""
+    late_units: tuple[str, ...]
+    """Units FSDP reduces at the end of backward (see :func:`late_units`)."""
+    phase_seconds: PhaseSeconds | None
+    """Each phase's wall time in one untraced step; ``None``: not measured (not asked for)."""
+
+
+def reference_step(model: str, *, time_phases: bool = False) -> ReferenceStep:
+    """Trace ``model``'s step in one process and find its FSDP units (and, with ``time_phases``, time each
+    phase of one more step).
+
+    Example (not run here: it builds and traces a model)::
+
+        ref = reference_step("gpt-tiny")
+        shard(ref.ledger, world_size=4, engine="torch", units=ref.units, late_units=ref.late_units)
+    """
+    from trainledger.sources import load_workload
+    from trainledger.trace import trace
+
+    workload = load_workload(model)
+    ledger = trace(workload)
+    seconds = _phase_seconds(workload) if time_phases else None
+    units = units_of(workload.model)
+    return ReferenceStep(ledger, units, late_units(workload, units), seconds)
+
+
+def _phase_seconds(workload: Any) -> PhaseSeconds:
+    from trainledger.workload import run_step
+
+    marks: list[tuple[str, float]] = []
+    run_step(workload, on_phase=lambda phase: marks.append((phase, time.perf_counter())))
+    seconds = {phase: t1 - t0 for (phase, t0), (_, t1) in itertools.pairwise(marks)}
+    return PhaseSeconds(*(seconds.get(phase) for phase in ("forward", "backward", "optimizer", "zero_grad")))
 
 
 def _launch(config: RunConfig, tmp: Path) -> list[dict[str, Any]]:
@@ -476,7 +536,8 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
 
     Usable under ``torchrun`` too: initialise the process group, then call it on every rank.
     """
-    from trainledger.workload import load_workload, run_step
+    from trainledger.sources import load_workload
+    from trainledger.workload import run_step
 
     rank = dist.get_rank()
     stage("building the workload")
@@ -587,7 +648,7 @@ def _wrap(workload: Any, strategy: str) -> None:
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     reshard = strategy == "zero3"
-    for unit in _units_of(workload.model):
+    for unit in units_of(workload.model):
         fully_shard(workload.model.get_submodule(unit), mesh=mesh, reshard_after_forward=reshard)
     fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
     workload.optimizer = factory

@@ -25,7 +25,7 @@ from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._scopes import ModuleScopes, label_graph
-from trainledger.trace._tracer import ProgressFn, StepTracer
+from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "MeasuredStep",
     "StorageRecord",
     "TraceReport",
+    "active_tracer",
     "kernel_internal_bytes",
     "record_forward",
     "trace",

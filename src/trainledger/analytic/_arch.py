@@ -1,0 +1,59 @@
+"""The memory-relevant shape of a decoder-only transformer (no torch): what :mod:`._config` reads from a
+Hugging Face config and what the parameter, activation and step models compute from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Family = Literal["llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral"]
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral")
+
+# Activations whose autograd saves only their input (plus the next linear's saved output); gelu_new
+# (GPT-2's and Phi's tanh formula, written out in Python) saves four tensors of the MLP width.
+ACTIVATIONS = {"silu": 1, "swish": 1, "gelu": 1, "relu": 1, "gelu_new": 4, "gelu_pytorch_tanh": 1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchSpec:
+    """The memory-relevant shape of a decoder-only transformer, read from a Hugging Face config."""
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tied: bool
+    """Input embedding and LM head share one storage."""
+    norm: Literal["rmsnorm", "layernorm"]
+    gated_mlp: bool
+    """SwiGLU (gate, up, down) rather than two linears."""
+    act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    lm_head_bias: bool
+    parallel_residual: bool
+    """Attention and MLP read the same normalised input (GPT-NeoX, Phi)."""
+    num_norms_per_layer: int
+    learned_positions: int
+    """Rows of a learned position embedding (GPT-2's ``n_positions``); 0 for rotary models."""
+    rotary_dim: int
+    attn_dropout: float
+    resid_dropout: float
+    embd_dropout: float
+    num_experts: int = 0
+    top_k: int = 0
+    qk_layernorm: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def act_saved(self) -> int:
+        """Tensors of the MLP width that the activation function's autograd saves."""
+        return ACTIVATIONS.get(self.act, 1)
