@@ -14,6 +14,8 @@ It also runs PyTorch's own SAC MILP (``torch.distributed._tools.sac_ilp.sac_milp
 ``pwlf``) at the same budgets, on a ModuleInfo built from MemTracker and our measured op times, and replays
 its plans on the traced step; and it times the chain DP on a 96-block chain.
 
+Needs the ``sac`` extra for PyTorch's SAC MILP (``pip install 'trainledger[sac]'``).
+
 Run:  python benchmarks/remat_quality.py [--budgets 8] [--plots docs]
 """
 
@@ -26,9 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    from benchmarks.torch_sac import with_torch_sac
+except ModuleNotFoundError:  # run as a script (python benchmarks/remat_quality.py): its folder is on the path
+    from torch_sac import with_torch_sac  # type: ignore[no-redef]
 from trainledger.examples import gpt_tiny, unet_small
-from trainledger.remat import pareto, plot_pareto
-from trainledger.remat.solvers import Chain, LinearModel, solve_dp, solve_milp, uniform_chain_model
+from trainledger.remat import Chain, LinearModel, pareto, solve_dp, solve_milp, uniform_chain_model
+from trainledger.report.plot import plot_pareto
 
 MODELS = {"gpt-tiny": gpt_tiny, "unet-small": unet_small}
 
@@ -38,6 +44,7 @@ def quality(name: str, num_budgets: int, plot_dir: Path | None) -> dict[str, obj
     start = time.perf_counter()
     result = pareto(workload, num_budgets=num_budgets, verify=True)
     seconds = time.perf_counter() - start
+    result = with_torch_sac(result)
     pl = result.planner
     uni = result.uniform
     print(f"\n### {name}\n")
@@ -99,7 +106,7 @@ def quality(name: str, num_budgets: int, plot_dir: Path | None) -> dict[str, obj
 
 def torch_sac_comparison(result: object) -> str:
     """PyTorch's SAC MILP (``torch.distributed._tools.sac_ilp.sac_milp``) at the same budgets, its plans
-    replayed on our traced step (see ``trainledger/remat/_sac.py``)."""
+    replayed on our traced step (see ``benchmarks/torch_sac.py``)."""
     sac = result.extra["torch_sac_ilp"]  # type: ignore[attr-defined]
     if not sac.get("ran"):
         return "PyTorch's SAC MILP: " + sac["summary"]

@@ -34,7 +34,7 @@ from trainledger.cli import build_parser, main
 from trainledger.declared import OPTIMIZER_ARRAYS
 from trainledger.errors import InputError
 from trainledger.examples import EXAMPLES
-from trainledger.remat.solvers import SOLVERS
+from trainledger.remat import SOLVERS
 from trainledger.shard import STRATEGIES
 from trainledger.units import parse_count, parse_dtype, parse_size
 

@@ -22,6 +22,7 @@ def small_gpt(tmp_path) -> str:
     return f"{f}:small"
 
 
+@pytest.mark.slow
 def test_plan_json_has_the_common_keys_and_fits(cli_json, tmp_path, small_gpt):
     saved = tmp_path / "plan.json"
     d = cli_json("plan", "--model", small_gpt, "--budget", "80%", "--save", str(saved))
@@ -33,6 +34,7 @@ def test_plan_json_has_the_common_keys_and_fits(cli_json, tmp_path, small_gpt):
     assert [r.path for r in plan.regions] == [r["path"] for r in d["regions"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["100%", "250%", "1e15", "900TiB"])
 def test_a_budget_the_plain_step_meets_recomputes_nothing(cli_json, small_gpt, budget):
     d = cli_json("plan", "--model", small_gpt, "--budget", budget)
@@ -58,6 +60,7 @@ def test_plan_verify_json(cli_json):
     assert d["peak"]["bytes"] == v["traced_peak_bytes"] and d["evidence"] == "traced"
 
 
+@pytest.mark.slow
 def test_pareto_json(cli_json, tmp_path, small_gpt):
     plot = tmp_path / "curve.png"
     d = cli_json("pareto", "--model", small_gpt, "--budgets", "4", "--plot", str(plot))
@@ -70,6 +73,7 @@ def test_pareto_json(cli_json, tmp_path, small_gpt):
     assert plot.stat().st_size > 1000 and d["written"] == [str(plot)]
 
 
+@pytest.mark.slow
 def test_impossible_budget_is_exit_2_with_the_floor(cli, small_gpt):
     code, out, err = cli("plan", "--model", small_gpt, "--budget", "1KiB")
     assert code == 2
@@ -118,6 +122,7 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_plan_file_round_trips_through_json(tmp_path, cli, small_gpt):
     saved = tmp_path / "p.json"
     code, _, err = cli("plan", "--model", small_gpt, "--budget", "90%", "--save", str(saved))
@@ -136,11 +141,11 @@ def test_data_dependent_routing_is_verified_from_the_same_weights(cli_json):
     assert [r["path"] for r in d["regions"]] and all(r["path"].startswith("experts.") for r in d["regions"])
 
 
-def test_solver_names_on_the_command_line_match_the_solvers():
-    from trainledger.commands.plan import SOLVERS as ON_THE_COMMAND_LINE
-    from trainledger.remat.solvers import SOLVERS
+def test_solver_and_cost_names_on_the_command_line_match_the_library():
+    from trainledger.commands import plan
+    from trainledger.remat import COSTS, SOLVERS
 
-    assert ON_THE_COMMAND_LINE == SOLVERS
+    assert plan.SOLVERS == SOLVERS and plan.COSTS == COSTS
 
 
 def test_missing_scipy_is_one_line_with_the_install_hint(cli, monkeypatch):

@@ -11,10 +11,20 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trainledger.errors import InputError
 from trainledger.examples import gpt_tiny
-from trainledger.remat import Plan, Region, structure_fingerprint
-from trainledger.remat.candidates import regions_of, replay
-from trainledger.remat.planner import InfeasibleBudget, Planner, parse_budget
-from trainledger.remat.solvers import brute_force, chain_savings, solve_dp, solve_milp
+from trainledger.remat import (
+    Budget,
+    InfeasibleBudget,
+    Plan,
+    Planner,
+    Region,
+    brute_force,
+    chain_savings,
+    regions_of,
+    replay,
+    solve_dp,
+    solve_milp,
+    structure_fingerprint,
+)
 from trainledger.trace import trace
 from trainledger.workload import call_model
 
@@ -61,13 +71,17 @@ def test_linear_model_adds_exactly(planner):
     cs, model = planner.candidates, planner.model
     rng = random.Random(0)
     n = len(cs.candidates)
+    num_checked = 0
     for _ in range(25):
         choice = [j for j in range(n) if rng.random() < 0.4]
         if not model.compatible(choice):
             continue
         assert model.peak(choice) == replay(cs, choice).peak().bytes
+        num_checked += 1
+    assert num_checked >= 5, f"only {num_checked} of 25 random plans were compatible"
 
 
+@pytest.mark.slow
 def test_predicted_peaks_match_the_retraced_step():
     w = gpt_tiny(n_layer=2)
     p = Planner.build(w)
@@ -131,13 +145,21 @@ def test_uniform_and_sqrt_n_are_in_the_plan_space(planner):
     [("50%", 500), ("12.5%", 125), ("2KiB", 2048), ("1e3", 1000), (4096, 4096)],
 )
 def test_budget_parsing(text, expected):
-    assert parse_budget(text, 1000) == expected
+    assert Budget.parse(text).resolve(1000) == expected
+
+
+def test_a_budget_is_parsed_once_into_a_typed_value():
+    b = Budget.parse("60%")
+    assert b == Budget(percent=60.0) and Budget.parse(b) is b
+    assert Budget.parse("2KiB") == Budget(nbytes=2048)
+    with pytest.raises(InputError, match="is a float"):
+        Budget.parse(0.5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("text", ["lots", "-5%", "0%", "%", "5 parsecs", "-1GiB"])
 def test_bad_budgets(text):
     with pytest.raises(InputError, match="budget"):
-        parse_budget(text, 1000)
+        Budget.parse(text)
 
 
 def test_percentages_are_of_the_traced_peak(planner):
@@ -146,6 +168,7 @@ def test_percentages_are_of_the_traced_peak(planner):
     assert p.predicted_peak_bytes <= p.budget_bytes
 
 
+@pytest.mark.slow
 def test_unet_with_skip_connections_plan_verified():
     """A U-Net is not a transformer chain: encoder outputs are kept for the decoder. The plan still
     replays exactly enough to land within 1% of the re-traced peak, with bitwise-equal gradients

@@ -30,6 +30,7 @@ PLANS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regions", PLANS)
 def test_gradients_bitwise_equal_with_dropout(regions):
     plain = _grads(gpt_tiny())

@@ -12,9 +12,7 @@ from torch import nn
 
 from tests.zoo import ZOO, shared_block, stateful_cnn, wrapped
 from trainledger.errors import InputError
-from trainledger.remat import Plan, Region, structure_fingerprint, verify
-from trainledger.remat._verify import compare_state
-from trainledger.remat.planner import Planner
+from trainledger.remat import Plan, Planner, Region, compare_state, structure_fingerprint, verify
 
 _PLANNERS: dict[str, Planner] = {}
 
@@ -84,6 +82,7 @@ def test_in_place_writes_to_older_tensors_are_never_recomputed():
     }
 
 
+@pytest.mark.slow
 def test_recomputing_a_stateful_module_without_its_copy_is_caught():
     """The oracle can fail: without ``restore`` the running statistics are updated twice and the running
     scale's recomputed output differs, and verification says so."""
@@ -111,6 +110,7 @@ def test_a_container_that_is_never_called_is_refused():
     assert "forward" not in w.model.model.blocks.__dict__  # nothing was wrapped
 
 
+@pytest.mark.slow
 def test_a_call_of_a_shared_module_is_counted_from_each_forward_of_the_model():
     w = shared_block()
     plan = Plan(regions=(Region("block", call=2, num_calls=4),), fingerprint=structure_fingerprint(w.model))

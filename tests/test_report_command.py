@@ -177,7 +177,7 @@ def test_pareto_round_trip(tmp_path, cli):
     from trainledger.examples import gpt_tiny as build
     from trainledger.remat import pareto
 
-    result = pareto(build(n_layer=2, seq_len=32), num_budgets=3, torch_sac=False)
+    result = pareto(build(n_layer=2, seq_len=32), num_budgets=3)
     path = tmp_path / "pareto.json"
     path.write_text(json.dumps(result.to_dict()))
     out = _report(cli, str(path))
@@ -187,7 +187,7 @@ def test_pareto_round_trip(tmp_path, cli):
 
 
 @pytest.mark.slow
-def test_pareto_with_pytorch_sac_round_trip(tmp_path, cli):
+def test_pareto_command_output_round_trips(tmp_path, cli):
     from trainledger.commands import pareto as pareto_cmd
 
     path, original, _ = _saved(cli, tmp_path, "p.json", "pareto", "--model", "gpt-tiny", "--budgets", "3")

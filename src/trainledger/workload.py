@@ -165,7 +165,7 @@ def run_step(
     note = on_phase or (lambda _phase: None)
     optimizer = workload.get_optimizer()
     note("forward")
-    with _autocast(workload):
+    with autocast(workload):
         output = call_model(workload.model, workload.batch)
         loss = compute_loss(workload, output)
     del output
@@ -182,7 +182,7 @@ def run_step(
     note("end")
 
 
-def _autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
+def autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
     if workload.autocast_dtype is None:
         return contextlib.nullcontext()
     device = next(workload.model.parameters()).device.type

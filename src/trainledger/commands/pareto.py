@@ -15,14 +15,13 @@ from trainledger.commands.common import (
     input_paths,
     positive_int,
     print_json,
-    private_tmpdir,
 )
 from trainledger.commands.plan import add_cost_flag, require_model, require_solvers
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.sources import load_workload
 
 if TYPE_CHECKING:
-    from trainledger.remat._pareto import ParetoResult, Point
+    from trainledger.remat import ParetoResult, Point
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def compute(args: argparse.Namespace) -> ParetoResult:
     require_solvers()
-    from trainledger.remat._pareto import pareto
+    from trainledger.remat import pareto
 
     require_model(args)
     if args.plot:
@@ -51,13 +50,12 @@ def compute(args: argparse.Namespace) -> ParetoResult:
 
         check_export_paths(plot=args.plot, protect=input_paths(args))  # the suffix, the folder, matplotlib
     workload = load_workload(args.model)
-    with private_tmpdir(prefix="trainledger-pareto-"):  # the SAC MILP's solver files go with it
-        return pareto(workload, num_budgets=args.budgets, cost=args.cost, verify=args.verify)
+    return pareto(workload, num_budgets=args.budgets, cost=args.cost, verify=args.verify)
 
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    from trainledger.remat._pareto import plot_pareto
+    from trainledger.report.plot import plot_pareto
 
     written = plot_pareto(result, args.plot) if args.plot else None
     if args.json:
@@ -78,8 +76,6 @@ def _cost(p: Point | None, seconds: bool) -> str:
 
 
 def render(result: ParetoResult, console: Console) -> None:
-    from trainledger.remat._sac import sac_cell
-
     seconds = result.cost == "seconds"
     verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
     table = Table(
@@ -130,3 +126,24 @@ def render(result: ParetoResult, console: Console) -> None:
         )
     items: list[Any] = [table, Text("\n".join(lines)), notes_text([*result.candidate_notes, UNITS_NOTE])]
     print_renderables(*items, console=console)
+
+
+def sac_cell(row: dict[str, Any]) -> str:
+    """One point of PyTorch's SAC MILP (``benchmarks/torch_sac.py``) in a table cell: ``infeasible``, or its
+    predicted recomputation ms and the peak of its plan replayed on our traced step (``*``: the modules it
+    chose recomputed whole, where it asked for part; ``over``: above the budget).
+
+    Example:
+        >>> row = {"feasible": True, "recompute_ms": 0.5, "replayed_peak_bytes": None, "budget_bytes": 1000}
+        >>> sac_cell({**row, "full_peak_bytes": 1024})
+        '0.50 ms → 1,024* over'
+    """
+    if not row["feasible"]:
+        return "infeasible"
+    text = f"{row['recompute_ms']:.2f} ms"
+    b, mark = row["replayed_peak_bytes"], ""
+    if b is None:
+        b, mark = row["full_peak_bytes"], "*"
+    if b is None:
+        return f"{text}, not replayed"
+    return f"{text} → {b:,}{mark}" + (" over" if b > row["budget_bytes"] else "")

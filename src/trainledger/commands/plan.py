@@ -12,15 +12,17 @@ from rich.text import Text
 
 from trainledger.commands.common import add_json_flag, add_model_flag, input_paths, print_json
 from trainledger.errors import InputError
-from trainledger.report._files import check_output_path
+from trainledger.report.exports import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
 from trainledger.sources import load_workload
 
 if TYPE_CHECKING:
-    from trainledger.remat import Plan, PlanResult
+    from trainledger.remat import PlanResult
 
-# Kept here so `--help` and argument checks need neither numpy nor scipy (the planner does).
+# The command line's choices, kept here so that `--help` needs neither numpy nor scipy (the planner does);
+# a test holds them equal to trainledger.remat's SOLVERS and COSTS. argparse checks them; nothing else does.
 SOLVERS = ("auto", "dp", "milp", "greedy", "sqrt-n", "uniform")
+COSTS = ("seconds", "flops")
 
 
 def require_solvers() -> None:
@@ -55,7 +57,7 @@ def add_cost_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cost",
         default="seconds",
-        choices=("seconds", "flops"),
+        choices=COSTS,
         help="what to minimise: seconds (measured) or flops (default seconds)",
     )
 
@@ -68,13 +70,14 @@ def require_model(args: argparse.Namespace) -> None:
 
 def compute(args: argparse.Namespace) -> PlanResult:
     require_solvers()
-    from trainledger.remat import plan_and_verify
+    from trainledger.remat import Budget, plan_and_verify
 
     require_model(args)
+    budget = Budget.parse(args.budget)  # before the step is traced
     if args.save:
         check_output_path(args.save, (".json",), what="plan", protect=input_paths(args))
     workload = load_workload(args.model)
-    return plan_and_verify(workload, args.budget, solver=args.solver, cost=args.cost, verify=args.verify)
+    return plan_and_verify(workload, budget, solver=args.solver, cost=args.cost, verify=args.verify)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,13 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 def render(result: PlanResult, console: Console, *, saved: str | None = None) -> None:
     p = result.plan
-    budget, plain = p.budget_bytes or 0, p.plain_peak_bytes or 0
-    head = (
-        f"plan for {p.model or 'the model'}: budget {budget:,} bytes ({both_units(budget)}), "
-        f"{100 * budget / max(plain, 1):.1f}% of the plain step's traced peak {plain:,} bytes ({both_units(plain)})"
-    )
-    items: list[Any] = [Text(head)]
-    items.append(regions_table(p, result.candidates))
+    items: list[Any] = [Text(_head(result))]
+    items.append(regions_table(result))
     if result.predicted is not None:
         pk = result.predicted.peak
         items.append(
@@ -105,15 +103,20 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
                 pk, evidence="predicted from the trace", maxima=result.predicted.category_maxima, single_instant=False
             )
         )
-    gap = "proved optimal" if p.optimal and not p.gap else f"optimality gap {100 * (p.gap or 0):.2f}%"
-    if p.gap is None and not p.optimal:
+    if p.optimal and not p.gap:
+        gap = "proved optimal"
+    elif p.gap is None:
         gap = "no optimality bound (a heuristic)"
+    else:
+        gap = f"optimality gap {100 * p.gap:.2f}%"
     lines = [
         f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured "
-        "(ops up to each region's early stop, medians of repeated single-thread runs)",
+        "(ops up to each region's early stop, medians of repeated single-thread runs)"
+        if p.extra_flops is not None and p.extra_seconds is not None
+        else "extra compute: not saved with the plan",
         f"solver: {p.solver}, {gap}" + (f"; LP lower bound {p.lp_bound:.4g}" if p.lp_bound is not None else ""),
-        f"floor: the lowest peak any plan reaches here is {p.floor_bytes or 0:,} bytes "
-        f"({both_units(p.floor_bytes or 0)})"
+        "floor: the lowest peak any plan reaches here is "
+        + (f"{p.floor_bytes:,} bytes ({both_units(p.floor_bytes)})" if p.floor_bytes is not None else "not saved")
         + (
             f"; persistent state and the largest op alone are {result.state_floor_bytes:,} bytes"
             if result.state_floor_bytes is not None
@@ -121,40 +124,57 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         ),
     ]
     items.append(Text("\n".join(lines)))
-    v = result.verification
-    if v is not None:
-        from trainledger.remat._verify import AGREEMENT
-
-        yes = {True: "yes", False: "NO"}
-        device = result.predicted.device if result.predicted is not None else "cpu"
-        items.append(
-            Text(
-                "\n".join(
-                    [
-                        "verification (the plan applied, the step traced again):",
-                        f"  traced peak {v.traced_peak_bytes:,} bytes, predicted {v.predicted_peak_bytes:,}: "
-                        f"{100 * v.relative_error:+.3f}% ({'agree' if v.agrees else 'DISAGREE'}, "
-                        f"limit {100 * AGREEMENT:.0f}%)",
-                        f"  within the budget {budget:,}: {yes[v.within_budget]}",
-                        f"  gradients bitwise equal to the plain step's (same seed, {device}, "
-                        f"dropout on): {yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} "
-                        f"of {v.num_gradients})" + _first(v.mismatched),
-                        f"  parameters, buffers and optimizer state after one step bitwise equal to the plain "
-                        f"step's: {yes[v.state_bitwise_equal]} ({v.num_state - len(v.mismatched_state)} of "
-                        f"{v.num_state})" + _first(v.mismatched_state),
-                        "  every region recomputed in the traced step: "
-                        + ("yes" if not v.not_run else "NO, never ran: " + ", ".join(v.not_run)),
-                        f"  step time: plain {v.plain_step_seconds * 1e3:.1f} ms, with the plan "
-                        f"{v.planned_step_seconds * 1e3:.1f} ms: {v.extra_step_seconds * 1e3:+.1f} ms "
-                        "(medians of 7 untraced steps each, interleaved, one thread)",
-                    ]
-                )
-            )
-        )
+    if result.verification is not None:
+        items.append(verification_text(result))
     if saved:
         items.append(Text(f"wrote {saved}"))
     items.append(notes_text([*p.notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
+
+
+def _head(result: PlanResult) -> str:
+    p = result.plan
+    budget, plain = p.budget_bytes, p.plain_peak_bytes
+    head = f"plan for {p.model or 'the model'}: budget "
+    head += f"{budget:,} bytes ({both_units(budget)})" if budget is not None else "not saved"
+    if result.budget_percent is not None:
+        head += f", {result.budget_percent:.1f}%"
+    if plain is not None:
+        head += f" of the plain step's traced peak {plain:,} bytes ({both_units(plain)})"
+    return head
+
+
+def verification_text(result: PlanResult) -> Text:
+    """What running the plan showed, line by line."""
+    from trainledger.remat import AGREEMENT
+
+    v = result.verification
+    assert v is not None
+    yes = {True: "yes", False: "NO"}
+    device = result.predicted.device if result.predicted is not None else "cpu"
+    budget = f"{v.budget_bytes:,}" if v.budget_bytes is not None else "(none)"
+    lines = [
+        "verification (the plan applied, the step traced again):",
+        f"  traced peak {v.traced_peak_bytes:,} bytes, predicted {v.predicted_peak_bytes:,}: "
+        f"{100 * v.relative_error:+.3f}% ({'agree' if v.agrees else 'DISAGREE'}, limit {100 * AGREEMENT:.0f}%)",
+        f"  within the budget {budget}: {yes[v.within_budget]}",
+        f"  gradients bitwise equal to the plain step's (same seed, {device}, dropout on): "
+        f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
+        + _first(v.mismatched),
+        "  parameters, buffers and optimizer state after one step bitwise equal to the plain step's: "
+        f"{yes[v.state_bitwise_equal]} ({v.num_state - len(v.mismatched_state)} of {v.num_state})"
+        + _first(v.mismatched_state),
+        "  every region recomputed in the traced step: "
+        + ("yes" if not v.not_run else "NO, never ran: " + ", ".join(v.not_run)),
+    ]
+    if v.plain_step_seconds is None or v.planned_step_seconds is None or v.extra_step_seconds is None:
+        lines.append("  step time: not measured")
+    else:
+        lines.append(
+            f"  step time: plain {v.plain_step_seconds * 1e3:.1f} ms, with the plan {v.planned_step_seconds * 1e3:.1f} "
+            f"ms: {v.extra_step_seconds * 1e3:+.1f} ms (medians of 7 untraced steps each, interleaved, one thread)"
+        )
+    return Text("\n".join(lines))
 
 
 def _first(names: tuple[str, ...], limit: int = 3) -> str:
@@ -164,28 +184,27 @@ def _first(names: tuple[str, ...], limit: int = 3) -> str:
     return "; differ: " + ", ".join(names[:limit]) + more
 
 
-def regions_table(p: Plan, candidates: tuple[dict[str, Any], ...]) -> Table | Text:
+def regions_table(result: PlanResult) -> Table | Text:
     """The recomputed regions with their costs (``-``: not saved; a ``plan --save`` file holds only the regions)."""
-    if not p.regions:
+    if not result.plan.regions:
         return Text("nothing to recompute: the plain step already fits")
-    rows = {(c["path"], c["policy"], c["call"]): c for c in candidates}
     table = Table(title="recompute (non-reentrant torch.utils.checkpoint, RNG state preserved)", title_justify="left")
     for col in ("module", "policy", "saved bytes", "recompute transient", "recompute FLOPs", "recompute ms"):
         table.add_column(col, justify="left" if col in ("module", "policy") else "right")
-    for r in p.regions:
-        c = rows.get((r.path, r.policy, r.call))
+    for r, c in result.recomputed():
         policy = "keep inputs only" if r.policy == "full" else "keep matmul outputs"
         if r.restore:
             policy += f"; recomputes on a copy of {len(r.restore)} buffers"
         if c is None:
             table.add_row(r.label.removesuffix(" (selective)"), policy, "-", "-", "-", "-")
             continue
+        transient = c.recompute_transient_bytes
         table.add_row(
             r.label.removesuffix(" (selective)"),
             policy,
-            f"{c['saved_bytes']:,}",
-            f"{c['recompute_transient_bytes']:,}",
-            f"{c['recompute_flops']:,}",
-            f"{c['recompute_seconds'] * 1e3:.3f}",
+            f"{c.saved_bytes:,}",
+            f"{transient:,}" if transient is not None else "-",
+            f"{c.recompute_flops:,}",
+            f"{c.recompute_seconds * 1e3:.3f}",
         )
     return table

@@ -9,31 +9,89 @@ Example:
     True
     >>> p.apply(w.model); p.remove(w.model)
 
-Modules: ``solvers`` (pure: chain DP, MILP, greedy, √n), ``candidates`` (regions and costs from a traced
-step, and the replay of any plan on it), ``planner`` (budgets, :func:`plan`), plus the private ``_plan``
-(the :class:`Plan` object), ``_verify`` and ``_pareto``.
+Private modules, public names chosen here: ``_budget`` (:class:`Budget`), ``_solvers`` (pure: chain DP,
+MILP, greedy, √n), ``_candidates`` (regions and costs from a traced step, and the replay of any plan on
+it), ``_planner`` (:func:`plan`), ``_plan`` (the :class:`Plan` object), ``_verify`` and ``_pareto``.
 """
 
 from __future__ import annotations
 
-from trainledger.remat._pareto import ParetoResult, pareto, plot_pareto
+from trainledger.remat._budget import Budget
+from trainledger.remat._candidates import (
+    COSTS,
+    Candidate,
+    CandidateCost,
+    Candidates,
+    CostKind,
+    candidate_costs,
+    find_candidates,
+    linear_model,
+    regions_of,
+    replay,
+)
+from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
-from trainledger.remat._verify import Verification, verify
-from trainledger.remat.planner import InfeasibleBudget, Planner, PlanResult, parse_budget, plan, plan_and_verify
+from trainledger.remat._planner import InfeasibleBudget, Planner, PlanResult, plan, plan_and_verify
+from trainledger.remat._solvers import (
+    SOLVERS,
+    Chain,
+    LinearModel,
+    NoPlan,
+    Solution,
+    SolverName,
+    brute_force,
+    chain_savings,
+    min_peak,
+    solve,
+    solve_dp,
+    solve_greedy,
+    solve_milp,
+    sqrt_n_choice,
+    uniform_chain_model,
+)
+from trainledger.remat._verify import AGREEMENT, Verification, compare_state, verify
 
 __all__ = [
+    "AGREEMENT",
+    "COSTS",
+    "SOLVERS",
+    "Budget",
+    "Candidate",
+    "CandidateCost",
+    "Candidates",
+    "Chain",
+    "CostKind",
     "InfeasibleBudget",
+    "LinearModel",
+    "NoPlan",
     "ParetoResult",
+    "ParetoRow",
     "Plan",
     "PlanResult",
     "Planner",
+    "Point",
     "Region",
+    "Solution",
+    "SolverName",
     "Verification",
+    "brute_force",
+    "candidate_costs",
+    "chain_savings",
+    "compare_state",
+    "find_candidates",
+    "linear_model",
+    "min_peak",
     "pareto",
-    "parse_budget",
     "plan",
     "plan_and_verify",
-    "plot_pareto",
+    "regions_of",
+    "replay",
+    "solve",
+    "solve_dp",
+    "solve_greedy",
+    "solve_milp",
+    "sqrt_n_choice",
     "structure_fingerprint",
+    "uniform_chain_model",
     "verify",
 ]

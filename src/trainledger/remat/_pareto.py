@@ -7,10 +7,8 @@ Hugging Face's ``gradient_checkpointing_enable()`` does) and Chen et al.'s √n 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -18,12 +16,18 @@ import numpy as np
 from trainledger.checks import MAX_BUDGETS, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
-from trainledger.remat.candidates import CostKind
-from trainledger.remat.planner import Planner
-from trainledger.remat.solvers import NoPlan, Solution, solve_greedy, solve_milp, sqrt_n_choice
+from trainledger.remat._candidates import COSTS, CostKind
+from trainledger.remat._planner import Planner
+from trainledger.remat._solvers import NoPlan, Solution, solve, solve_greedy, solve_milp, sqrt_n_choice
+from trainledger.remat._verify import verify as run_verify
 from trainledger.workload import Workload, require_workload
 
 PARETO_SCHEMA = "trainledger.remat-pareto/1"
+SAC_NOT_RUN: dict[str, Any] = {
+    "ran": False,
+    "summary": "not run here: a benchmark (python benchmarks/torch_sac.py; pip install 'trainledger[sac]')",
+}
+"""PyTorch's SAC MILP beside our plans is a benchmark, with its own extra (``pulp``, ``pwlf``)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,9 @@ class Point:
 
 
 @dataclass(frozen=True)
-class Row:
+class ParetoRow:
+    """One budget of the sweep: our plan, the MILP optimum, the greedy knapsack (``None``: no plan)."""
+
     budget_bytes: int
     ours: Point | None
     milp: Point | None
@@ -75,7 +81,7 @@ class Row:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Row:
+    def from_dict(cls, data: dict[str, Any]) -> ParetoRow:
         def point(d: dict[str, Any] | None) -> Point | None:
             return Point.from_dict(d) if d is not None else None
 
@@ -94,14 +100,15 @@ class ParetoResult:
     """The lowest peak any plan reaches."""
     state_floor_bytes: int
     """Persistent state and the largest op alone."""
-    rows: tuple[Row, ...]
+    rows: tuple[ParetoRow, ...]
     uniform: Point
     sqrt_n: Point
     cost: CostKind
     candidate_notes: tuple[str, ...] = ()
     """What the candidate regions leave out or assume."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Further comparisons (PyTorch's SAC MILP, when it can run)."""
+    """Further comparisons: ``torch_sac_ilp``, PyTorch's SAC MILP at the same budgets, filled in by the
+    ``benchmarks/torch_sac.py`` benchmark (the sweep itself says where to find it)."""
     planner: Planner | None = field(default=None, repr=False, compare=False)
     """The planner the sweep ran (``None`` when read back from JSON)."""
 
@@ -135,7 +142,7 @@ class ParetoResult:
             plain_peak_bytes=int(data["plain_peak_bytes"]),
             floor_bytes=int(data["floor_bytes"]),
             state_floor_bytes=int(data["state_floor_bytes"]),
-            rows=tuple(Row.from_dict(r) for r in data["rows"]),
+            rows=tuple(ParetoRow.from_dict(r) for r in data["rows"]),
             uniform=Point.from_dict(data["uniform_per_block"]),
             sqrt_n=Point.from_dict(data["sqrt_n"]),
             cost=data["cost"],
@@ -175,14 +182,11 @@ def pareto(
     cost: CostKind = "seconds",
     verify: bool = False,
     time_limit_s: float = 20.0,
-    torch_sac: bool = True,
 ) -> ParetoResult:
     """Sweep ``num_budgets`` budgets from the plain step's traced peak down to the floor.
 
     Arguments:
         verify: apply each of our plans, trace the step again and compare gradients with the plain step's.
-        torch_sac: also run PyTorch's SAC MILP (``torch.distributed._tools.sac_ilp``) at every budget,
-            when ``pulp`` and ``pwlf`` are installed (see :mod:`trainledger.remat._sac`).
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -194,7 +198,7 @@ def pareto(
     whole_number(
         num_budgets, "number of budgets", minimum=2, limit=MAX_BUDGETS, minimum_why="the plain peak and the floor"
     )
-    one_of(cost, "cost", ("seconds", "flops"))
+    one_of(cost, "cost", COSTS)
     positive_number(time_limit_s, "time limit", unit="seconds")
     planner = Planner.build(workload, cost=cost)
     budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
@@ -211,7 +215,7 @@ def pareto(
             greedy = None
         if verify:
             ours = _verified(planner, workload, ours, b)
-        rows.append(Row(b, ours, milp, greedy))
+        rows.append(ParetoRow(b, ours, milp, greedy))
     blocks = planner.block_candidates()
     return ParetoResult(
         model=workload.name,
@@ -224,92 +228,20 @@ def pareto(
         sqrt_n=_fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
         cost=cost,
         candidate_notes=tuple(planner.candidates.notes),
-        extra={"torch_sac_ilp": _torch_sac(planner, [r.budget_bytes for r in rows], torch_sac)},
+        extra={"torch_sac_ilp": SAC_NOT_RUN},
         planner=planner,
     )
 
 
-def _torch_sac(planner: Planner, budgets: list[int], run: bool) -> dict[str, Any]:
-    """PyTorch's SAC MILP at the same budgets, or why it did not run."""
-    from trainledger.remat._sac import sac_compare, sac_missing
-
-    if not run:
-        return {"ran": False, "summary": "not run (switched off)"}
-    missing = sac_missing()
-    if missing:
-        return {"ran": False, "summary": "not run: pip install " + " ".join(missing)}
-    comparison = sac_compare(planner, budgets)
-    return {**comparison.to_dict(), "summary": comparison.summary(planner.plain_peak_bytes)}
-
-
 def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:
-    from trainledger.remat.solvers import solve
-
     return solve(planner.model, budget, solver="auto", time_limit_s=time_limit_s)
 
 
 def _verified(planner: Planner, workload: Workload, point: Point, budget: int) -> Point:
-    from dataclasses import replace
-
-    from trainledger.remat._verify import verify
-
     cs = planner.candidates
-    choice = [j for j, c in enumerate(cs.candidates) if c.name in point.regions]
-    sol = Solution(tuple(choice), point.peak_bytes, 0.0, "ours", point.optimal)
+    choice = tuple(j for j, c in enumerate(cs.candidates) if c.name in point.regions)
+    sol = Solution(choice, point.peak_bytes, planner.model.total_cost(choice), "ours", point.optimal)
     plan = planner.to_plan(sol, budget_bytes=budget)
     planner.restore()  # the same weights as the plain trace (tracing takes optimizer steps)
-    v = verify(workload, plan, timing=False)
+    v = run_verify(workload, plan, timing=False)
     return replace(point, traced_peak_bytes=v.traced_peak_bytes, gradients_bitwise_equal=v.gradients_bitwise_equal)
-
-
-# --- the picture ------------------------------------------------------------------------------------------
-
-PLOT_SUFFIXES = (".png", ".svg")
-
-
-def plot_pareto(
-    result: ParetoResult, path: str | os.PathLike[str], *, protect: Iterable[str | os.PathLike[str]] = ()
-) -> Path:
-    """Peak (MiB) against extra compute for every method; a dashed line at each budget's plain peak."""
-    from trainledger.report.exports import check_output_path
-    from trainledger.report.plot import _matplotlib
-
-    out = check_output_path(path, PLOT_SUFFIXES, what="plot", protect=protect)
-    Figure, Canvas = _matplotlib()
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
-    Canvas(fig)
-    ax = fig.add_subplot()
-    mib = 2**20
-    seconds = result.cost == "seconds"
-
-    def x(p: Point) -> float:
-        return p.extra_seconds * 1e3 if seconds else p.extra_flops / 1e9
-
-    series = {
-        "ours (DP / MILP)": [r.ours for r in result.rows if r.ours],
-        "MILP optimum": [r.milp for r in result.rows if r.milp],
-        "greedy knapsack": [r.greedy for r in result.rows if r.greedy],
-    }
-    styles = {"ours (DP / MILP)": "o-", "MILP optimum": "x", "greedy knapsack": "s--"}
-    for label, pts in series.items():
-        pts = sorted(pts, key=x)
-        ax.plot([x(p) for p in pts], [p.peak_bytes / mib for p in pts], styles[label], label=label, alpha=0.85)
-    for p, marker in ((result.uniform, "D"), (result.sqrt_n, "^")):
-        label = "uniform per-block" if p.method == "uniform" else "Chen √n"
-        ax.plot([x(p)], [p.peak_bytes / mib], marker, markersize=9, label=label)
-    sac = result.extra.get("torch_sac_ilp", {}).get("points")
-    if sac:
-        ax.plot(
-            [p["extra_seconds"] * 1e3 if seconds else 0 for p in sac],
-            [p["peak_bytes"] / mib for p in sac],
-            "v:",
-            label="PyTorch SAC MILP (budget less optimizer state; its modules recomputed whole)",
-        )
-    ax.axhline(result.plain_peak_bytes / mib, color="grey", lw=0.8, ls="--")
-    ax.axhline(result.floor_bytes / mib, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("extra compute in backward (" + ("ms, measured" if seconds else "GFLOP") + ")")
-    ax.set_ylabel("predicted peak (MiB = 2^20 bytes)")
-    ax.set_title(f"{result.model}: peak vs recomputation (dashed: plain peak, dotted: floor)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.savefig(out, format=out.suffix.lower().lstrip("."))
-    return out

@@ -117,10 +117,11 @@ class Plan:
     predicted_peak_bytes: int | None = None
     predicted: Ledger | None = field(default=None, compare=False, repr=False)
     """The plain step's traced ledger with this plan's recomputation replayed on it."""
-    extra_flops: int = 0
-    """FLOPs recomputed during backward (``FlopCounterMode``'s formulas, op by op, early stop included)."""
-    extra_seconds: float = 0.0
-    """Measured time of the recomputed forwards (median of repeated runs)."""
+    extra_flops: int | None = None
+    """FLOPs recomputed during backward (``FlopCounterMode``'s formulas, op by op, early stop included);
+    ``None``: not known (a plan written by hand)."""
+    extra_seconds: float | None = None
+    """Measured time of the recomputed forwards (median of repeated runs); ``None``: not measured."""
     solver: str = ""
     optimal: bool = False
     gap: float | None = None
@@ -254,8 +255,8 @@ class Plan:
                 budget_bytes=data.get("budget_bytes"),
                 plain_peak_bytes=data.get("plain_peak_bytes"),
                 predicted_peak_bytes=data.get("predicted_peak_bytes"),
-                extra_flops=int(data.get("extra_flops", 0)),
-                extra_seconds=float(data.get("extra_seconds", 0.0)),
+                extra_flops=None if data.get("extra_flops") is None else int(data["extra_flops"]),
+                extra_seconds=None if data.get("extra_seconds") is None else float(data["extra_seconds"]),
                 solver=data.get("solver", ""),
                 optimal=bool(data.get("optimal", False)),
                 gap=data.get("optimality_gap"),

@@ -46,9 +46,9 @@ class Verification:
     mismatched_state: tuple[str, ...]
     not_run: tuple[str, ...]
     """Regions of the plan that were never recomputed in the traced step (a plan that does nothing there)."""
-    plain_step_seconds: float
-    planned_step_seconds: float
-    """Medians over repeated untraced steps."""
+    plain_step_seconds: float | None
+    planned_step_seconds: float | None
+    """Medians over repeated untraced steps (``None``: not timed)."""
 
     @property
     def relative_error(self) -> float:
@@ -68,7 +68,9 @@ class Verification:
         return self.within_budget and self.gradients_bitwise_equal and self.state_bitwise_equal and not self.not_run
 
     @property
-    def extra_step_seconds(self) -> float:
+    def extra_step_seconds(self) -> float | None:
+        if self.planned_step_seconds is None or self.plain_step_seconds is None:
+            return None
         return self.planned_step_seconds - self.plain_step_seconds
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,9 +110,13 @@ class Verification:
             num_state=int(data["num_state_tensors"]),
             mismatched_state=tuple(data["mismatched_state"]),
             not_run=tuple(data["regions_not_run"]),
-            plain_step_seconds=float(data["plain_step_seconds"]),
-            planned_step_seconds=float(data["planned_step_seconds"]),
+            plain_step_seconds=_seconds(data["plain_step_seconds"]),
+            planned_step_seconds=_seconds(data["planned_step_seconds"]),
         )
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def gradients(workload: Workload, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -198,7 +204,7 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
     plain: list[float] = []
     planned: list[float] = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the per-op costs: stable on a busy machine (see _record.record_forward)
+    torch.set_num_threads(1)  # as the per-op costs: stable on a busy machine (see trace.record_forward)
     try:
         for i in range(repeats + 1):
             for times, applied in ((plain, False), (planned, True)):
@@ -227,13 +233,13 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
 
     Arguments:
         repeats: untraced steps timed with and without the plan (interleaved).
-        timing: ``False`` skips the timing (both times are then reported as 0).
+        timing: ``False`` skips the timing (both times are then ``None``).
     """
     from trainledger.trace import trace
 
     equal, count, mismatched = compare_gradients(workload, plan)
     state_equal, num_state, state_mismatched = compare_state(workload, plan)
-    plain_s, planned_s = step_seconds(workload, plan, repeats=repeats) if timing else (0.0, 0.0)
+    plain_s, planned_s = step_seconds(workload, plan, repeats=repeats) if timing else (None, None)
     plan.apply(workload.model)
     try:
         traced = trace(workload)

@@ -381,9 +381,10 @@ def _plan(data: dict[str, Any], result: Any) -> None:
     if result.predicted is not None:
         data["summary"] = _summary(result.predicted)
         data["facts"].append("the peak shown is predicted: the plain step's trace with the plan replayed on it")
-    data["facts"].append(
-        f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured"
-    )
+    if p.extra_flops is not None and p.extra_seconds is not None:
+        data["facts"].append(
+            f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured"
+        )
     items = [("plain step's traced peak", p.plain_peak_bytes), ("budget", p.budget_bytes)]
     items += [("predicted with the plan", p.predicted_peak_bytes), ("floor (lowest any plan reaches)", p.floor_bytes)]
     if result.verification is not None:
@@ -398,14 +399,12 @@ def _plan(data: dict[str, Any], result: Any) -> None:
         "floor_bytes": p.floor_bytes,
         "series": [{"name": "this plan", "points": [_point_of_plan(p)]}],
     }
-    rows_by = {(c["path"], c["policy"], c["call"]): c for c in result.candidates}
     columns = [("module", "text"), ("policy", "text"), ("saved bytes", "bytes"), ("recompute transient", "bytes")]
     columns += [("recompute FLOPs", "int"), ("recompute ms", "float")]
     rows = []
-    for r in p.regions:
-        c = rows_by.get((r.path, r.policy, r.call))
+    for r, c in result.recomputed():
         figures = (
-            (c["saved_bytes"], c["recompute_transient_bytes"], c["recompute_flops"], c["recompute_seconds"] * 1e3)
+            (c.saved_bytes, c.recompute_transient_bytes, c.recompute_flops, c.recompute_seconds * 1e3)
             if c is not None
             else (None, None, None, None)
         )

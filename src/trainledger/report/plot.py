@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainledger.errors import InputError
 from trainledger.ledger import CATEGORY_ORDER, Ledger
 from trainledger.report._files import PLOT_SUFFIXES, check_output_path, peak_label
+
+if TYPE_CHECKING:
+    from trainledger.remat import ParetoResult, Point
 
 # A fixed colour per category (the same in every picture), in the fixed category order.
 CATEGORY_COLORS: dict[str, str] = {
@@ -234,3 +237,52 @@ def _default_title(ledger: Ledger) -> str:
     if ledger.num_events == 1:
         return f"{head}training state (evidence: {ledger.evidence}, {ledger.device})"
     return f"{head}live memory over one training step (evidence: {ledger.evidence}, {ledger.device})"
+
+
+# --- activation checkpointing's trade-off curve (trainledger pareto) ------------------------------------
+
+
+def plot_pareto(
+    result: ParetoResult, path: str | os.PathLike[str], *, protect: Iterable[str | os.PathLike[str]] = ()
+) -> Path:
+    """``trainledger pareto --plot``: peak (MiB) against extra compute for every method, with the plain peak
+    (dashed) and the floor (dotted); returns the path written."""
+    out = check_output_path(path, PLOT_SUFFIXES, what="plot", protect=protect)
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    Canvas(fig)
+    ax = fig.add_subplot()
+    mib = 2**20
+    seconds = result.cost == "seconds"
+
+    def x(p: Point) -> float:
+        return p.extra_seconds * 1e3 if seconds else p.extra_flops / 1e9
+
+    series = {
+        "ours (DP / MILP)": [r.ours for r in result.rows if r.ours],
+        "MILP optimum": [r.milp for r in result.rows if r.milp],
+        "greedy knapsack": [r.greedy for r in result.rows if r.greedy],
+    }
+    styles = {"ours (DP / MILP)": "o-", "MILP optimum": "x", "greedy knapsack": "s--"}
+    for label, pts in series.items():
+        pts = sorted(pts, key=x)
+        ax.plot([x(p) for p in pts], [p.peak_bytes / mib for p in pts], styles[label], label=label, alpha=0.85)
+    for p, marker in ((result.uniform, "D"), (result.sqrt_n, "^")):
+        label = "uniform per-block" if p.method == "uniform" else "Chen √n"
+        ax.plot([x(p)], [p.peak_bytes / mib], marker, markersize=9, label=label)
+    sac = result.extra.get("torch_sac_ilp", {}).get("points")
+    if sac:
+        ax.plot(
+            [p["extra_seconds"] * 1e3 if seconds else 0 for p in sac],
+            [p["peak_bytes"] / mib for p in sac],
+            "v:",
+            label="PyTorch SAC MILP (budget less optimizer state; its modules recomputed whole)",
+        )
+    ax.axhline(result.plain_peak_bytes / mib, color="grey", lw=0.8, ls="--")
+    ax.axhline(result.floor_bytes / mib, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("extra compute in backward (" + ("ms, measured" if seconds else "GFLOP") + ")")
+    ax.set_ylabel("predicted peak (MiB = 2^20 bytes)")
+    ax.set_title(f"{result.model}: peak vs recomputation (dashed: plain peak, dotted: floor)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out

@@ -22,6 +22,7 @@ from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, 
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
+from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._restore import RESTORED_NOTE, TrainingState
 from trainledger.trace._scopes import ModuleScopes, label_graph
@@ -33,15 +34,18 @@ __all__ = [
     "KERNEL_INTERNAL",
     "PROBED_OPS",
     "RESTORED_NOTE",
+    "ForwardRecord",
     "KernelCall",
     "MeasuredStep",
     "ModuleScopes",
     "StepTracer",
+    "StorageRecord",
     "TraceReport",
     "TrainingState",
     "active_tracer",
     "kernel_internal_bytes",
     "mark_optimizer_outputs",
+    "record_forward",
     "trace",
     "trace_stacked",
     "traced_ledger",

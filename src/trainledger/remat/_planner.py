@@ -7,30 +7,33 @@ no plan meets raises :class:`InfeasibleBudget`, which states the floor and carri
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from trainledger.checks import one_of, positive_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger, LedgerSummary
-from trainledger.remat._plan import Plan, structure_fingerprint
-from trainledger.remat._record import ForwardRecord, record_forward
-from trainledger.remat.candidates import (
+from trainledger.remat._budget import Budget
+from trainledger.remat._candidates import (
+    COSTS,
+    CandidateCost,
     Candidates,
     CostKind,
+    candidate_costs,
     find_candidates,
     linear_model,
     regions_of,
     replay,
 )
-from trainledger.remat.solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
-from trainledger.units import SizeSyntaxError, format_bytes, parse_size
+from trainledger.remat._plan import Plan, Region, structure_fingerprint
+from trainledger.remat._solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
+from trainledger.remat._verify import Verification
+from trainledger.trace import ForwardRecord, record_forward
+from trainledger.units import format_bytes
 from trainledger.workload import Workload, require_workload
 
 _FIXED_PLANS = ("sqrt-n", "uniform")
 """Solvers whose plan does not depend on the budget (baselines): asked for, they are given."""
-_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
 class InfeasibleBudget(InputError):
@@ -41,33 +44,6 @@ class InfeasibleBudget(InputError):
         self.budget_bytes = budget_bytes
         self.floor_bytes = floor_bytes
         self.best = best
-
-
-def parse_budget(text: str | int, plain_peak_bytes: int) -> int:
-    """``60%`` of the plain peak, or a size: ``2GiB``, ``512MiB``, ``1e9``, plain bytes.
-
-    Example:
-        >>> parse_budget("50%", 1000), parse_budget("1KiB", 1000)
-        (500, 1024)
-    """
-    if isinstance(text, str):
-        m = _PERCENT.match(text)
-        if m:
-            share = float(m.group(1))
-            if share <= 0:
-                raise InputError(f"budget {text!r} must be a positive percentage of the plain peak")
-            return int(plain_peak_bytes * share // 100)
-        if text.strip().endswith("%"):
-            raise InputError(f"budget {text!r} is not understood; use a percentage (60%) or a size (2GiB, bytes)")
-    try:
-        return parse_size(text)
-    except SizeSyntaxError:
-        raise InputError(
-            f"budget {text!r} is not understood; use a percentage of the plain peak (60%) or a size "
-            "(2GiB, 512MiB, bytes)"
-        ) from None
-    except InputError as exc:  # a size out of range keeps its own message (it says the range)
-        raise InputError(f"budget: {exc}") from None
 
 
 @dataclass
@@ -100,8 +76,6 @@ class Planner:
     def build(cls, workload: Workload, *, cost: CostKind = "seconds", plain: Ledger | None = None) -> Planner:
         from trainledger.trace import trace
 
-        if cost not in ("seconds", "flops"):
-            raise InputError(f"unknown cost {cost!r}; accepted: seconds, flops")
         initial = None
         if plain is None:
             initial = (
@@ -141,11 +115,9 @@ class Planner:
             notes=(*cs.notes, *sol.notes),
         )
 
-    def solve(self, budget: str | int, *, solver: SolverName = "auto", time_limit_s: float = 20.0) -> Plan:
-        """The cheapest plan found whose predicted peak is within ``budget``."""
-        if solver not in SOLVERS:
-            raise InputError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
-        budget_bytes = parse_budget(budget, self.plain_peak_bytes)
+    def solve(self, budget: Budget | str | int, *, solver: SolverName = "auto", time_limit_s: float = 20.0) -> Plan:
+        """The cheapest plan found whose predicted peak is within ``budget`` (a string or int is parsed)."""
+        budget_bytes = Budget.parse(budget).resolve(self.plain_peak_bytes)
         if budget_bytes >= self.plain_peak_bytes and solver not in _FIXED_PLANS:
             # the cheapest plan within a budget the plain step already meets recomputes nothing
             note = "the budget is at or above the plain step's traced peak: nothing to recompute"
@@ -210,7 +182,7 @@ def _both(nbytes: int) -> str:
 
 def plan(
     workload: Workload,
-    budget: str | int,
+    budget: Budget | str | int,
     *,
     solver: SolverName = "auto",
     cost: CostKind = "seconds",
@@ -220,7 +192,8 @@ def plan(
 
     Arguments:
         workload: the step (it is traced, so it runs: a warm-up step and a traced step).
-        budget: ``"60%"`` of the plain step's traced peak, or a size (``"2GiB"``, bytes).
+        budget: a :class:`Budget`, or what :meth:`Budget.parse` reads: ``"60%"`` of the plain step's traced
+            peak, or a size (``"2GiB"``, bytes).
         solver: ``auto`` (DP on chains, else MILP), ``dp``, ``milp``, ``greedy``, ``sqrt-n``, ``uniform``.
         cost: what the solver minimises: measured ``seconds`` of the recomputed ops, or ``flops``.
         time_limit_s: the MILP's time limit.
@@ -237,32 +210,23 @@ def plan(
         >>> p.predicted_peak_bytes <= p.budget_bytes
         True
     """
-    check_plan_arguments(workload, budget, solver=solver, cost=cost, time_limit_s=time_limit_s, caller="plan")
+    budget = check_plan_arguments(workload, budget, solver=solver, cost=cost, time_limit_s=time_limit_s, caller="plan")
     return Planner.build(workload, cost=cost).solve(budget, solver=solver, time_limit_s=time_limit_s)
 
 
-def check_plan_arguments(workload: Any, budget: Any, *, solver: Any, cost: Any, time_limit_s: Any, caller: str) -> None:
-    """The checks of :func:`plan` and :func:`plan_and_verify`, made before anything is traced."""
+def check_plan_arguments(
+    workload: Any, budget: Any, *, solver: Any, cost: Any, time_limit_s: Any, caller: str
+) -> Budget:
+    """The checks of :func:`plan` and :func:`plan_and_verify`, made once and before anything is traced.
+
+    Returns the budget, parsed.
+    """
     require_workload(workload, caller)
-    if isinstance(budget, bool) or not isinstance(budget, (str, int)):
-        raise InputError(
-            f"budget {budget!r} is a {type(budget).__name__}; give a percentage of the plain peak ('60%') "
-            "or a size ('2GiB', or bytes as an int)"
-        )
-    parse_budget(budget, 100)  # its syntax, before the step is traced
+    parsed = Budget.parse(budget)
     one_of(solver, "solver", SOLVERS)
-    one_of(cost, "cost", ("seconds", "flops"))
+    one_of(cost, "cost", COSTS)
     positive_number(time_limit_s, "time limit", unit="seconds")
-
-
-def describe(plan_: Plan) -> dict[str, Any]:
-    """A short summary for tables: regions, peak, extra compute."""
-    return {
-        "regions": [f"{r.path}" + (" (selective)" if r.policy == "selective" else "") for r in plan_.regions],
-        "predicted_peak_bytes": plan_.predicted_peak_bytes,
-        "extra_flops": plan_.extra_flops,
-        "extra_seconds": plan_.extra_seconds,
-    }
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -270,18 +234,32 @@ class PlanResult:
     """What ``trainledger plan`` reports: the plan, its candidates, and the verification when asked."""
 
     plan: Plan
-    candidates: tuple[dict[str, Any], ...]
+    candidates: tuple[CandidateCost, ...]
+    """Every candidate region the solver chose from, with its costs (empty in a ``plan --save`` file)."""
     state_floor_bytes: int | None
     """Persistent state and the largest op alone (``None``: not saved, as in a ``plan --save`` file)."""
-    verification: Any = None
-    """A :class:`~trainledger.remat._verify.Verification`, or ``None`` without ``--verify``."""
+    verification: Verification | None = None
+    """What running the plan showed, or ``None`` without ``verify``."""
     predicted: LedgerSummary | None = None
     """The figures of the plain step with the plan replayed on it (``plan.predicted.summary()``)."""
+
+    def recomputed(self) -> tuple[tuple[Region, CandidateCost | None], ...]:
+        """The plan's regions, each with its candidate's costs (``None``: not saved with the plan)."""
+        by_region = {c.key: c for c in self.candidates}
+        return tuple((r, by_region.get((r.path, r.policy, r.call))) for r in self.plan.regions)
+
+    @property
+    def budget_percent(self) -> float | None:
+        """The budget as a percentage of the plain step's traced peak (``None``: either is unknown)."""
+        p = self.plan
+        if p.budget_bytes is None or p.plain_peak_bytes is None:
+            return None
+        return 100 * p.budget_bytes / max(p.plain_peak_bytes, 1)
 
     def to_dict(self) -> dict[str, Any]:
         out = {**(self.predicted.to_dict() if self.predicted is not None else {}), **self.plan.to_dict()}
         out["state_floor_bytes"] = self.state_floor_bytes
-        out["candidates"] = list(self.candidates)
+        out["candidates"] = [c.to_dict() for c in self.candidates]
         if self.verification is not None:
             if self.predicted is not None:
                 out["predicted"] = self.predicted.to_dict()
@@ -298,12 +276,10 @@ class PlanResult:
         predicted = data.get("predicted", data)
         verification = None
         if "verification" in data:
-            from trainledger.remat._verify import Verification
-
             verification = Verification.from_dict(data["verification"], traced=LedgerSummary.from_dict(data))
         return cls(
             plan=Plan.from_dict(data),
-            candidates=tuple(data.get("candidates", ())),
+            candidates=tuple(CandidateCost.from_dict(c) for c in data.get("candidates", ())),
             state_floor_bytes=data.get("state_floor_bytes"),
             verification=verification,
             predicted=LedgerSummary.from_dict(predicted) if "peak" in predicted else None,
@@ -316,7 +292,7 @@ _TOP_LEVEL = ("evidence", "device", "peak", "category_maxima", "sum_of_category_
 
 def plan_and_verify(
     workload: Workload,
-    budget: str | int,
+    budget: Budget | str | int,
     *,
     solver: SolverName = "auto",
     cost: CostKind = "seconds",
@@ -324,9 +300,7 @@ def plan_and_verify(
     time_limit_s: float = 20.0,
 ) -> PlanResult:
     """:func:`plan`, then (``verify=True``) apply it, trace the step again, compare gradients and time it."""
-    from trainledger.remat.candidates import iter_candidate_rows
-
-    check_plan_arguments(
+    budget = check_plan_arguments(
         workload, budget, solver=solver, cost=cost, time_limit_s=time_limit_s, caller="plan_and_verify"
     )
     planner = Planner.build(workload, cost=cost)
@@ -337,6 +311,6 @@ def plan_and_verify(
 
         planner.restore()  # re-trace from the state the plain step was traced from
         verification = run_verify(workload, p)
-    rows = tuple(iter_candidate_rows(planner.candidates, planner.model))
+    costs = candidate_costs(planner.candidates, planner.model)
     predicted = p.predicted.summary() if p.predicted is not None else None
-    return PlanResult(p, rows, planner.state_floor_bytes, verification, predicted)
+    return PlanResult(p, costs, planner.state_floor_bytes, verification, predicted)

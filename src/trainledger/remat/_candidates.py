@@ -17,7 +17,7 @@ anything else that is older than itself (its own input, a parameter) is not a ca
 What non-reentrant checkpointing does, and what :func:`replay` therefore does to the plain step's ledger:
 
 - forward: the region's ops run as usual but autograd keeps none of the tensors they save; each is
-  freed when Python drops it (observed by :func:`~trainledger.remat._record.record_forward`, which runs
+  freed when Python drops it (observed by :func:`~trainledger.trace.record_forward`, which runs
   the forward with saving switched off). The region's inputs are kept until its backward ends.
 - backward: just before the region's first backward op, its forward runs again, *only up to the op
   that produces the last tensor its backward needs* (early stop), so the recomputation's cost and
@@ -32,7 +32,7 @@ region's backward, so a plan's predicted ledger has a real breakdown at its peak
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Any, Literal
@@ -42,11 +42,12 @@ from torch import nn
 
 from trainledger.ledger import Category, Entry, Event, Ledger, ModuleCall
 from trainledger.remat._plan import SAVED_OP_NAMES, Policy, Region
-from trainledger.remat._record import ForwardRecord, StorageRecord
-from trainledger.remat.solvers import Chain, LinearModel
-from trainledger.trace import KERNEL_INTERNAL
+from trainledger.remat._solvers import Chain, LinearModel
+from trainledger.trace import KERNEL_INTERNAL, ForwardRecord, StorageRecord
 
 CostKind = Literal["seconds", "flops"]
+COSTS: tuple[str, ...] = ("seconds", "flops")
+"""What a solver can minimise: measured seconds of the recomputed ops, or their FLOPs."""
 ROOT = "(root)"
 
 
@@ -491,92 +492,127 @@ def _moved_call(c: ModuleCall, lay: _Layout) -> ModuleCall:
     )
 
 
+@dataclass(frozen=True)
+class _Recompute:
+    """Where one recomputed candidate sits on the new clock: what each step of its replay needs."""
+
+    c: Candidate
+    start: int
+    """New index of the recomputation's first event (the region's forward event ``c.fwd[0]`` again)."""
+    rec_end: int
+    """New index at which the recomputation is over (its early stop): its temporaries are gone."""
+    keep_until: int
+    """New index at which the region's backward is over: what the checkpoint keeps is freed there."""
+
+    def ph(self, f: int) -> int:
+        """New index of the recomputation of forward event ``f``."""
+        return self.start + (f - self.c.fwd[0])
+
+
 def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dict[int, Entry], extra: list) -> None:
-    plain = cs.plain
-    new = lay.new
-    f0, f1 = c.fwd
-    t0, t1 = c.bwd
-    s = c.stop
+    """Move the plain step's entries of candidate ``j`` (into ``touched``) and add its recomputation (``extra``)."""
     start = lay.start[j]
-
-    def ph(f: int) -> int:  # new index of the recomputation of forward event f
-        return start + (f - f0)
-
-    rec_end = ph(s) + 1  # the recomputation is over (early stop): its temporaries are gone
-    inside = cs.tree.subtree[c.call]
-    policy = c.region.policy
-    keep_until = int(new[t1]) + 1
-    saved_in = set(_saved_inside(plain, cs.info, inside, f0, f1, t0))
-    for i, e in enumerate(plain.entries):
+    rc = _Recompute(c, start, start + (c.stop - c.fwd[0]) + 1, int(lay.new[c.bwd[1]]) + 1)
+    saved_in = set(_saved_inside(cs.plain, cs.info, cs.tree.subtree[c.call], c.fwd[0], c.fwd[1], c.bwd[0]))
+    for i, e in enumerate(cs.plain.entries):
         a = e.alloc_event
-        if a is None or not f0 <= a <= f1:
+        if a is None or not c.fwd[0] <= a <= c.fwd[1]:
             continue
-        inf = cs.info.get(i)
-        uf = inf.unsaved_free if inf is not None else f1 + 1
-        free_old = _end(lay, e.free_event)
-        if _cached(plain, i, policy):  # selective: kept by the cache, not recomputed
-            if i in saved_in:
-                continue  # held from forward to its last use, as in the plain step
-            if a <= s:
-                end = ph(uf) if uf <= s else rec_end
-            else:  # never consumed by the recomputation: held until the region's backward is over
-                end = keep_until
-            touched[i] = _moved(e, lay, free=end if free_old is None else max(end, free_old))
-            continue
-        if i in saved_in:
-            if _mixed(cs.info, i, inside):  # also saved outside: held until the recomputation (upper bound)
-                fwd_free = lay.start[j]
-            else:
-                fwd_free = _end(lay, max(a + 1, min(uf, f1 + 1)))
-            touched[i] = _moved(e, lay, free=fwd_free, category=Category.WORKSPACE, role="forward_temporary")
-            extra.append(
-                _moved(
-                    e,
-                    lay,
-                    ph(a),
-                    free_old,
-                    name=f"{e.name}@recompute",
-                    role="recomputed",
-                    category=Category.ACTIVATIONS,
-                )
-            )
-        elif a <= s:  # recomputed but not saved: a temporary of the recomputation
-            end = ph(uf) if uf <= s else rec_end
-            if e.free_event == a + 1:  # lived one op (a kernel's own buffer, a dropped output): again so
-                end = ph(a) + 1
-            extra.append(
-                _moved(
-                    e,
-                    lay,
-                    ph(a),
-                    max(end, ph(a) + 1),
-                    name=f"{e.name}@recompute",
-                    role="recompute_temporary",
-                    category=Category.WORKSPACE,
-                )
-            )
-    for i in cs.inputs.get(c.call, ()):  # the region's inputs are kept by the checkpoint until its backward ends
+        if _cached(cs.plain, i, c.region.policy):  # selective: kept by the cache, not recomputed
+            if i not in saved_in:  # (a saved one is held from forward to its last use, as in the plain step)
+                touched[i] = _replay_cached(cs, rc, lay, i, e)
+        elif i in saved_in:
+            touched[i], extra_entry = _replay_saved(cs, rc, lay, i, e)
+            extra.append(extra_entry)
+        elif a <= c.stop:  # recomputed but not saved: a temporary of the recomputation
+            extra.append(_replay_temporary(cs, rc, lay, i, e))
+    _keep_inputs(cs, rc, lay, touched)
+    extra.extend(_state_copies(cs, rc, lay))
+
+
+def _unsaved_free(cs: Candidates, rc: _Recompute, i: int) -> int:
+    """Forward event at which entry ``i`` would be freed if autograd saved nothing."""
+    inf = cs.info.get(i)
+    return inf.unsaved_free if inf is not None else rc.c.fwd[1] + 1
+
+
+def _replay_cached(cs: Candidates, rc: _Recompute, lay: _Layout, i: int, e: Entry) -> Entry:
+    """An output the selective policy caches (not saved by autograd): held until the recomputation uses it."""
+    a, uf = e.alloc_event, _unsaved_free(cs, rc, i)
+    assert a is not None
+    if a <= rc.c.stop:
+        end = rc.ph(uf) if uf <= rc.c.stop else rc.rec_end
+    else:  # never consumed by the recomputation: held until the region's backward is over
+        end = rc.keep_until
+    free_old = _end(lay, e.free_event)
+    return _moved(e, lay, free=end if free_old is None else max(end, free_old))
+
+
+def _replay_saved(cs: Candidates, rc: _Recompute, lay: _Layout, i: int, e: Entry) -> tuple[Entry, Entry]:
+    """A saved activation of the region: a forward temporary now, and saved again by the recomputation."""
+    a, f1 = e.alloc_event, rc.c.fwd[1]
+    assert a is not None
+    if _mixed(cs.info, i, cs.tree.subtree[rc.c.call]):  # also saved outside: held until the recomputation
+        fwd_free = rc.start  # (an upper bound)
+    else:
+        fwd_free = _end(lay, max(a + 1, min(_unsaved_free(cs, rc, i), f1 + 1)))
+    forward = _moved(e, lay, free=fwd_free, category=Category.WORKSPACE, role="forward_temporary")
+    again = _moved(
+        e,
+        lay,
+        rc.ph(a),
+        _end(lay, e.free_event),
+        name=f"{e.name}@recompute",
+        role="recomputed",
+        category=Category.ACTIVATIONS,
+    )
+    return forward, again
+
+
+def _replay_temporary(cs: Candidates, rc: _Recompute, lay: _Layout, i: int, e: Entry) -> Entry:
+    """An unsaved output the recomputation makes again: live in the recomputation as in the forward."""
+    a, uf = e.alloc_event, _unsaved_free(cs, rc, i)
+    assert a is not None
+    end = rc.ph(uf) if uf <= rc.c.stop else rc.rec_end
+    if e.free_event == a + 1:  # lived one op (a kernel's own buffer, a dropped output): again so
+        end = rc.ph(a) + 1
+    return _moved(
+        e,
+        lay,
+        rc.ph(a),
+        max(end, rc.ph(a) + 1),
+        name=f"{e.name}@recompute",
+        role="recompute_temporary",
+        category=Category.WORKSPACE,
+    )
+
+
+def _keep_inputs(cs: Candidates, rc: _Recompute, lay: _Layout, touched: dict[int, Entry]) -> None:
+    """The region's inputs are kept by the checkpoint until its backward ends."""
+    for i in cs.inputs.get(rc.c.call, ()):
         if i in touched:
             continue
-        e = plain.entries[i]
+        e = cs.plain.entries[i]
         free_old = _end(lay, e.free_event)
-        if free_old is not None and free_old < keep_until:
-            touched[i] = _moved(e, lay, free=keep_until)
-    # state the call writes in place: copied before the call, the copy recomputed on, dropped with the backward
-    by_name = {e.name: e for e in plain.entries}
-    for name in c.region.restore:
-        e = by_name[name]
-        extra.append(
-            replace(
-                e,
-                name=f"{name}@before:{c.name}",
-                category=Category.WORKSPACE,
-                role="state_copy",
-                alloc_event=int(new[f0]),
-                free_event=keep_until,
-                last_use_event=None,
-            )
+        if free_old is not None and free_old < rc.keep_until:
+            touched[i] = _moved(e, lay, free=rc.keep_until)
+
+
+def _state_copies(cs: Candidates, rc: _Recompute, lay: _Layout) -> list[Entry]:
+    """State the call writes in place: copied before the call, the copy recomputed on, dropped with the backward."""
+    by_name = {e.name: e for e in cs.plain.entries}
+    return [
+        replace(
+            by_name[name],
+            name=f"{name}@before:{rc.c.name}",
+            category=Category.WORKSPACE,
+            role="state_copy",
+            alloc_event=int(lay.new[rc.c.fwd[0]]),
+            free_event=rc.keep_until,
+            last_use_event=None,
         )
+        for name in rc.c.region.restore
+    ]
 
 
 # --- the linear model ------------------------------------------------------------------------------------
@@ -671,21 +707,79 @@ def regions_of(cs: Candidates, choice: Sequence[int]) -> tuple[Region, ...]:
     return tuple(cs.candidates[j].region for j in sorted(choice, key=lambda j: cs.candidates[j].fwd[0]))
 
 
-def iter_candidate_rows(cs: Candidates, model: LinearModel | None = None) -> Iterator[dict[str, Any]]:
-    """One row per candidate; with the linear ``model``, also its recomputation's transient: the most it
-    adds above the plain step at any instant (while its forward runs again)."""
-    for j, c in enumerate(cs.candidates):
-        row = {
-            "path": c.region.path,
-            "policy": c.region.policy,
-            "call": c.region.call,
-            "label": c.region.label,
-            "saved_bytes": c.saved_bytes,
-            "recompute_flops": c.flops,
-            "recompute_seconds": c.seconds,
-            "forward_events": list(c.fwd),
-            "early_stop_event": c.stop,
+@dataclass(frozen=True)
+class CandidateCost:
+    """One candidate region as ``trainledger plan`` reports it: what recomputing it saves and costs."""
+
+    path: str
+    policy: Policy
+    call: int | None
+    label: str
+    saved_bytes: int
+    """Activations the region no longer holds from its forward to its backward."""
+    recompute_flops: int
+    recompute_seconds: float
+    """Measured: medians of repeated single-thread runs of its ops, up to the early stop."""
+    forward_events: tuple[int, int]
+    """First and last forward event of the region's call in the plain step."""
+    early_stop_event: int
+    """Last forward event the recomputation runs."""
+    recompute_transient_bytes: int | None = None
+    """The most the recomputation adds above the plain step at any instant (``None``: not computed)."""
+
+    @property
+    def key(self) -> tuple[str, str, int | None]:
+        """What identifies the region in a plan: path, policy, call."""
+        return (self.path, self.policy, self.call)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "path": self.path,
+            "policy": self.policy,
+            "call": self.call,
+            "label": self.label,
+            "saved_bytes": self.saved_bytes,
+            "recompute_flops": self.recompute_flops,
+            "recompute_seconds": self.recompute_seconds,
+            "forward_events": list(self.forward_events),
+            "early_stop_event": self.early_stop_event,
         }
-        if model is not None:
-            row["recompute_transient_bytes"] = int(max(0, model.delta[j].max(initial=0)))
-        yield row
+        if self.recompute_transient_bytes is not None:
+            out["recompute_transient_bytes"] = self.recompute_transient_bytes
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CandidateCost:
+        f0, f1 = d["forward_events"]
+        return cls(
+            path=str(d["path"]),
+            policy=d["policy"],
+            call=None if d.get("call") is None else int(d["call"]),
+            label=str(d["label"]),
+            saved_bytes=int(d["saved_bytes"]),
+            recompute_flops=int(d["recompute_flops"]),
+            recompute_seconds=float(d["recompute_seconds"]),
+            forward_events=(int(f0), int(f1)),
+            early_stop_event=int(d["early_stop_event"]),
+            recompute_transient_bytes=d.get("recompute_transient_bytes"),
+        )
+
+
+def candidate_costs(cs: Candidates, model: LinearModel | None = None) -> tuple[CandidateCost, ...]:
+    """One record per candidate; with the linear ``model``, also its recomputation's transient: the most it
+    adds above the plain step at any instant (while its forward runs again)."""
+    return tuple(
+        CandidateCost(
+            path=c.region.path,
+            policy=c.region.policy,
+            call=c.region.call,
+            label=c.region.label,
+            saved_bytes=c.saved_bytes,
+            recompute_flops=c.flops,
+            recompute_seconds=c.seconds,
+            forward_events=(c.fwd[0], c.fwd[1]),
+            early_stop_event=c.stop,
+            recompute_transient_bytes=None if model is None else int(max(0, model.delta[j].max(initial=0))),
+        )
+        for j, c in enumerate(cs.candidates)
+    )

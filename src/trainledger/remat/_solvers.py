@@ -39,8 +39,6 @@ from typing import Literal
 
 import numpy as np
 
-from trainledger.errors import InputError
-
 SolverName = Literal["auto", "dp", "milp", "greedy", "sqrt-n", "uniform"]
 SOLVERS: tuple[str, ...] = ("auto", "dp", "milp", "greedy", "sqrt-n", "uniform")
 
@@ -321,68 +319,24 @@ def solve_dp(model: LinearModel, budget_bytes: int, *, max_states: int = 100_000
         raise ValueError("solve_dp needs a chain; use solve_milp for general graphs")
     savings = chain_savings(model)
     num_pos = len(ch.options)
-    # Points outside every span, grouped by how many positions are held there.
-    in_any = ch.span.any(axis=0)
-    gap_need = np.full(num_pos + 1, -np.inf)
-    for m in range(num_pos + 1):
-        sel = (~in_any) & (ch.prefix == m)
-        if sel.any():
-            gap_need[m] = float(model.base[sel].max() - budget_bytes)
+    gap_need = _gap_needs(model, ch, budget_bytes)
     if gap_need[0] > 0:
         raise NoPlan("the step exceeds the budget before any region can help")
-    grid = None
-    total_save = sum(max(s) for s in savings)
-    # frontier: arrays D (ascending), cost (ascending), and back-pointers
-    D = np.zeros(1, dtype=np.int64)
-    C = np.zeros(1)
-    back: list[tuple[np.ndarray, np.ndarray]] = []  # per position: (parent index, option index)
+    grid = max(1, math.ceil(sum(max(s) for s in savings) / max_states))  # used only if the frontier grows
+    front = _Frontier(np.zeros(1, dtype=np.int64), np.zeros(1), [])
     approx = False
-    for k, opts in enumerate(ch.options):
+    for k in range(num_pos):
         if gap_need[k] > -np.inf:
-            ok = D >= gap_need[k]
-            D, C = D[ok], C[ok]
-            if k:
-                back[-1] = (back[-1][0][ok], back[-1][1][ok])
-            if not len(D):
+            front = front.keep(front.saved >= gap_need[k])
+            if not len(front.saved):
                 raise NoPlan(f"no plan: position {k} cannot be reached within the budget")
-        span = ch.span[k]
-        cand_D, cand_C, cand_p, cand_o = [], [], [], []
-        for oi, opt in enumerate(opts):
-            d = model.delta[list(opt)].sum(axis=0) if opt else 0
-            need = float((model.base + d)[span].max() - budget_bytes) if span.any() else -np.inf
-            ok = np.flatnonzero(D >= need)
-            if not len(ok):
-                continue
-            cost = float(sum(model.cost[j] for j in opt))
-            cand_D.append(D[ok] + savings[k][oi])
-            cand_C.append(C[ok] + cost)
-            cand_p.append(ok)
-            cand_o.append(np.full(len(ok), oi))
-        if not cand_D:
-            raise NoPlan(f"no plan: position {k} exceeds the budget with every option")
-        nD, nC = np.concatenate(cand_D), np.concatenate(cand_C)
-        nP, nO = np.concatenate(cand_p), np.concatenate(cand_o)
-        if len(nD) > max_states:  # discretise: round savings down to a grid (conservative)
-            if grid is None:
-                grid = max(1, math.ceil(total_save / max_states))
-            nD = (nD // grid) * grid
-            approx = True
-        keep = _pareto(nD, nC)
-        D, C = nD[keep], nC[keep]
-        back.append((nP[keep], nO[keep]))
+        front, rounded = _extend(model, ch, k, savings[k], front, budget_bytes, max_states, grid)
+        approx = approx or rounded
     if gap_need[num_pos] > -np.inf:
-        ok = D >= gap_need[num_pos]
-        D, C = D[ok], C[ok]
-        back[-1] = (back[-1][0][ok], back[-1][1][ok])
-    if not len(D):
+        front = front.keep(front.saved >= gap_need[num_pos])
+    if not len(front.saved):
         raise NoPlan("no plan: the end of the forward pass exceeds the budget")
-    i = int(np.argmin(C))  # lowest cost; ties: the first (least saving)
-    choice: list[int] = []
-    for k in range(num_pos - 1, -1, -1):
-        parent, option = back[k]
-        choice.extend(ch.options[k][int(option[i])])
-        i = int(parent[i])
-    choice_t = tuple(sorted(choice))
+    choice_t = _backtrack(ch, front, int(np.argmin(front.cost)))  # lowest cost; ties: the first (least saving)
     cost = model.total_cost(choice_t)
     notes = (f"memory discretised to {grid:,}-byte cells (savings rounded down)",) if approx else ()
     return Solution(
@@ -396,6 +350,82 @@ def solve_dp(model: LinearModel, budget_bytes: int, *, max_states: int = 100_000
         seconds=time.perf_counter() - t0,
         notes=notes,
     )
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    """The DP's non-dominated states after some positions, and how each was reached."""
+
+    saved: np.ndarray
+    """Bytes the choices so far save while later positions run (``D``), ascending."""
+    cost: np.ndarray
+    """Their recompute cost (``C``)."""
+    back: list[tuple[np.ndarray, np.ndarray]]
+    """Per position decided: (parent state index, option index) of each state of that position."""
+
+    def keep(self, ok: np.ndarray) -> _Frontier:
+        """Only the states where ``ok`` holds (their back-pointers with them)."""
+        back = [*self.back[:-1], (self.back[-1][0][ok], self.back[-1][1][ok])] if self.back else []
+        return _Frontier(self.saved[ok], self.cost[ok], back)
+
+
+def _gap_needs(model: LinearModel, ch: Chain, budget_bytes: int) -> np.ndarray:
+    """Per number ``m`` of positions held, the saving needed at the points outside every span (``-inf``: none)."""
+    num_pos = len(ch.options)
+    in_any = ch.span.any(axis=0)
+    gap_need = np.full(num_pos + 1, -np.inf)
+    for m in range(num_pos + 1):
+        sel = (~in_any) & (ch.prefix == m)
+        if sel.any():
+            gap_need[m] = float(model.base[sel].max() - budget_bytes)
+    return gap_need
+
+
+def _extend(
+    model: LinearModel,
+    ch: Chain,
+    k: int,
+    savings: list[int],
+    front: _Frontier,
+    budget_bytes: int,
+    max_states: int,
+    grid: int,
+) -> tuple[_Frontier, bool]:
+    """Position ``k`` decided: every option from every state that keeps its span within the budget, then
+    the non-dominated states (rounded down to ``grid`` when more than ``max_states``; the bool says so)."""
+    D, C = front.saved, front.cost
+    span = ch.span[k]
+    cand_D, cand_C, cand_p, cand_o = [], [], [], []
+    for oi, opt in enumerate(ch.options[k]):
+        d = model.delta[list(opt)].sum(axis=0) if opt else 0
+        need = float((model.base + d)[span].max() - budget_bytes) if span.any() else -np.inf
+        ok = np.flatnonzero(D >= need)
+        if not len(ok):
+            continue
+        cost = float(sum(model.cost[j] for j in opt))
+        cand_D.append(D[ok] + savings[oi])
+        cand_C.append(C[ok] + cost)
+        cand_p.append(ok)
+        cand_o.append(np.full(len(ok), oi))
+    if not cand_D:
+        raise NoPlan(f"no plan: position {k} exceeds the budget with every option")
+    nD, nC = np.concatenate(cand_D), np.concatenate(cand_C)
+    nP, nO = np.concatenate(cand_p), np.concatenate(cand_o)
+    rounded = len(nD) > max_states
+    if rounded:  # discretise: round savings down to a grid (conservative)
+        nD = (nD // grid) * grid
+    keep = _pareto(nD, nC)
+    return _Frontier(nD[keep], nC[keep], [*front.back, (nP[keep], nO[keep])]), rounded
+
+
+def _backtrack(ch: Chain, front: _Frontier, i: int) -> tuple[int, ...]:
+    """The candidates chosen on the way to state ``i`` of the last position."""
+    choice: list[int] = []
+    for k in range(len(ch.options) - 1, -1, -1):
+        parent, option = front.back[k]
+        choice.extend(ch.options[k][int(option[i])])
+        i = int(parent[i])
+    return tuple(sorted(choice))
 
 
 def _pareto(D: np.ndarray, C: np.ndarray) -> np.ndarray:
@@ -467,9 +497,10 @@ def solve(
     time_limit_s: float = 20.0,
     block_candidates: Sequence[int] = (),
 ) -> Solution:
-    """Solve with the named solver; ``"auto"`` uses the DP for chains and the MILP otherwise."""
-    if solver not in SOLVERS:
-        raise InputError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
+    """Solve with the named solver; ``"auto"`` uses the DP for chains and the MILP otherwise.
+
+    ``solver`` is one of :data:`SOLVERS`, checked where it enters (the command line, the public ``plan``).
+    """
     if solver == "auto":
         if _is_chain(model):  # otherwise only the MILP handles a general graph
             with contextlib.suppress(NoPlan):  # a discretised frontier may lose plans: the MILP settles it
@@ -481,6 +512,7 @@ def solve(
         return solve_milp(model, budget_bytes, time_limit_s=time_limit_s)
     if solver == "greedy":
         return solve_greedy(model, budget_bytes)
+    assert solver in ("uniform", "sqrt-n"), solver
     choice = uniform_choice(model, block_candidates) if solver == "uniform" else sqrt_n_choice(block_candidates)
     peak = model.peak(choice)
     if peak > budget_bytes:

@@ -1,13 +1,13 @@
 """Record the step's forward op by op with autograd's saving switched off.
 
-What :mod:`trainledger.remat.candidates` needs beyond the trace: when each saved tensor would be freed if
-autograd kept nothing (Python references only), which module's ops save it, which op a recomputation
-stops after (the last save), and each op's FLOPs (``torch.utils.flop_counter``) and measured time.
+What activation checkpointing's candidates (:mod:`trainledger.remat`) need beyond the trace: when each
+saved tensor would be freed if autograd kept nothing (Python references only), which module's ops save it,
+which op a recomputation stops after (the last save), and each op's FLOPs (``torch.utils.flop_counter``)
+and measured time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 import weakref
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainledger.inventory import storage_key
 from trainledger.trace._scopes import ModuleScopes
-from trainledger.workload import Workload, call_model, compute_loss
+from trainledger.workload import Workload, autocast, call_model, compute_loss
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _record_runs(workload: Workload, roots: list[tuple[str, nn.Module]], runs: l
         scopes.clock = lambda rec=rec: len(rec.ops)
         scopes.open()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda _x: None), rec, _autocast(workload):
+            with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda _x: None), rec, autocast(workload):
                 output = call_model(model, workload.batch)
                 loss = compute_loss(workload, output)
                 del output, loss
@@ -198,10 +198,3 @@ def _combine(runs: list[_Recorder]) -> ForwardRecord:
         tuple(first.packs),
         tuple((c.path, c.index) for c in first.scopes.calls),
     )
-
-
-def _autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
-    if workload.autocast_dtype is None:
-        return contextlib.nullcontext()
-    device = next(workload.model.parameters()).device.type
-    return torch.autocast(device_type=device, dtype=workload.autocast_dtype)

@@ -33,20 +33,24 @@ to discard; its budget is in GiB (2^30 bytes) and its memory model is parameters
 activations, without optimizer state (``ilp_utils.get_peak_memory_runtime_baseline``: "Memory does not
 include e.g., optimizer states"). Plans of whole-module checkpoints (discard ratio 1) of modules that are
 our candidates are replayed on our traced ledger, so both are compared on the same clock.
+
+A benchmark, not part of the library: it needs the ``sac`` extra (``pip install 'trainledger[sac]'``).
+
+Run:  python benchmarks/torch_sac.py --model gpt-tiny [--budgets 8] [--json]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
-from trainledger.remat.candidates import replay
-from trainledger.remat.planner import Planner
+from trainledger.remat import ParetoResult, Planner, replay
 
 SAC_REQUIREMENTS = ("pulp", "pwlf")
 """What PyTorch's SAC pipeline imports: ``sac_ilp`` needs ``pulp``, the trade-off fit needs ``pwlf``."""
@@ -420,22 +424,44 @@ def _replayed(planner: Planner, point: SacPoint) -> SacPoint:
     )
 
 
-def sac_cell(row: dict[str, Any]) -> str:
-    """One ``SacPoint.to_dict()`` in a table cell: ``infeasible``, or its predicted recomputation ms and
-    the peak of its plan replayed on our traced step (``*``: the modules it chose recomputed whole, where it
-    asked for part; ``over``: above the budget).
+def torch_sac_extra(planner: Planner, budgets: list[int]) -> dict[str, Any]:
+    """PyTorch's SAC MILP at the same budgets, as ``ParetoResult.extra["torch_sac_ilp"]``, or why it did not run."""
+    missing = sac_missing()
+    if missing:
+        return {"ran": False, "summary": "not run: pip install " + " ".join(missing)}
+    comparison = sac_compare(planner, budgets)
+    return {**comparison.to_dict(), "summary": comparison.summary(planner.plain_peak_bytes)}
 
-    Example:
-        >>> row = {"feasible": True, "recompute_ms": 0.5, "replayed_peak_bytes": None, "budget_bytes": 1000}
-        >>> sac_cell({**row, "full_peak_bytes": 1024})
-        '0.50 ms → 1,024* over'
-    """
-    if not row["feasible"]:
-        return "infeasible"
-    text = f"{row['recompute_ms']:.2f} ms"
-    b, mark = row["replayed_peak_bytes"], ""
-    if b is None:
-        b, mark = row["full_peak_bytes"], "*"
-    if b is None:
-        return f"{text}, not replayed"
-    return f"{text} → {b:,}{mark}" + (" over" if b > row["budget_bytes"] else "")
+
+def with_torch_sac(result: ParetoResult) -> ParetoResult:
+    """``result`` (a sweep just run: it carries its planner) with PyTorch's SAC MILP at the same budgets."""
+    from trainledger.commands.common import private_tmpdir
+
+    assert result.planner is not None, "a sweep read back from JSON has no planner; run pareto() again"
+    with private_tmpdir(prefix="trainledger-sac-"):  # the MILP solver's scratch files go with it
+        sac = torch_sac_extra(result.planner, [r.budget_bytes for r in result.rows])
+    return replace(result, extra={**result.extra, "torch_sac_ilp": sac})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainledger.commands.common import print_json
+    from trainledger.commands.pareto import render
+    from trainledger.remat import pareto
+    from trainledger.report.terminal import make_console
+    from trainledger.sources import load_workload
+
+    parser = argparse.ArgumentParser(description="trainledger pareto with PyTorch's SAC MILP at the same budgets")
+    parser.add_argument("--model", default="gpt-tiny", help="a built-in example's name or file.py:factory")
+    parser.add_argument("--budgets", type=int, default=8, help="number of budgets (default 8)")
+    parser.add_argument("--json", action="store_true", help="print the sweep as JSON")
+    args = parser.parse_args(argv)
+    result = with_torch_sac(pareto(load_workload(args.model), num_budgets=args.budgets))
+    if args.json:
+        print_json(result.to_dict())
+    else:
+        render(result, make_console())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
