@@ -26,10 +26,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
-# Known breaches being removed (issue 14); each entry is "importer -> imported". The test fails on a
-# breach not listed here and on a listed one that no longer exists, so the list only ever shrinks.
-KNOWN_BREACHES: frozenset[str] = frozenset()
-
 
 def _modules() -> dict[str, Path]:
     out = {}
@@ -164,15 +160,8 @@ def test_every_module_is_in_a_layer():
     ],
 )
 def test_house_rule(rule, found):
-    breaches = found()
-    new = sorted(breaches - KNOWN_BREACHES)
-    assert not new, f"{rule}: " + "; ".join(new)
-
-
-def test_known_breaches_still_exist():
-    """A fixed breach leaves the list, so it cannot come back unnoticed."""
-    gone = KNOWN_BREACHES - _upward_imports() - _private_imports() - _cyclic_imports()
-    assert not gone, f"fixed, remove from KNOWN_BREACHES: {sorted(gone)}"
+    breaches = sorted(found())  # each "importer -> imported"
+    assert not breaches, f"{rule}: " + "; ".join(breaches)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -211,8 +200,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 MAX_FUNCTION_LINES = 80
-# Functions over the limit being split (issue 14); the list only ever shrinks.
-KNOWN_LONG: frozenset[str] = frozenset()
 
 
 def _long_functions() -> set[str]:
@@ -231,6 +218,5 @@ def _long_functions() -> set[str]:
 
 
 def test_no_function_over_the_limit_without_a_reason():
-    found = _long_functions()
-    assert not found - KNOWN_LONG, f"over {MAX_FUNCTION_LINES} lines, split or say why: {sorted(found - KNOWN_LONG)}"
-    assert not KNOWN_LONG - found, f"split, remove from KNOWN_LONG: {sorted(KNOWN_LONG - found)}"
+    found = sorted(_long_functions())
+    assert not found, f"over {MAX_FUNCTION_LINES} lines, split or say why in a '# long:' comment: {found}"
