@@ -311,6 +311,19 @@ def _context_fn(policy: Policy) -> Callable[[], Any] | None:
     return functools.partial(create_selective_checkpoint_contexts, _policy_fn)
 
 
+@functools.cache
+def _sac_hooks_argument() -> dict[str, bool]:
+    """``respect_saved_tensors_hooks=False`` where ``checkpoint`` takes it (newer torch): the tensors a
+    selective region saves bypass saved-tensor hooks (the tracer's, ``save_on_cpu``), as every torch so far
+    does by default, said explicitly so torch does not warn that the default will change."""
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+
+    takes = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    return {"respect_saved_tensors_hooks": False} if takes else {}
+
+
 def _in_backward() -> bool:
     """Autograd's engine is running a node: a module called now is being recomputed (by any checkpoint)."""
     return torch._C._current_autograd_node() is not None
@@ -349,7 +362,7 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         st.ran[region.call] = st.ran.get(region.call, 0) + 1
         fn = _on_a_copy_when_recomputed(model, region.restore, inner) if region.restore else inner
         context_fn = _context_fn(region.policy)
-        extra = {} if context_fn is None else {"context_fn": context_fn}
+        extra = {} if context_fn is None else {"context_fn": context_fn, **_sac_hooks_argument()}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     module.__dict__[_STATE] = st
