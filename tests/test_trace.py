@@ -125,6 +125,28 @@ def test_data_dependent_shapes_are_a_clear_error_in_fake_mode():
         trace(examples.moe(), fake=True)
 
 
+class _Exits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and getattr(self, "warmed", False):
+            sys.exit(3)
+        self.warmed = True
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_a_model_that_calls_sys_exit_is_a_clear_error_not_a_silent_exit(fake):
+    w = Workload(
+        _Exits(), torch.randn(2, 4), loss_fn=lambda out, b: out.sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    with pytest.raises(InputError, match=r"the traced step called sys.exit\(3\)"):
+        trace(w, fake=fake)
+    assert not _get_current_dispatch_mode_stack()  # the tracer let go of dispatch
+
+
 def test_saved_activations_are_told_apart_from_temporaries():
     # y = relu(x @ w1) @ w2: the relu output is saved by the second matmul; mm's output is consumed by relu
     # and not saved (relu saves its *output*).

@@ -347,6 +347,8 @@ def _user_errors(what: str) -> Iterator[None]:
         yield
     except InputError:
         raise
+    except SystemExit as exc:  # the user's code exiting is theirs to explain, not a silent exit of ours
+        raise InputError(f"{what} called sys.exit({exc.code!r}) in the model, loss or optimizer") from None
     except Exception as exc:
         message = " ".join(str(exc).split())[:300]
         raise InputError(f"{what} raised {type(exc).__name__}: {message}") from exc
