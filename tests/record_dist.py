@@ -1,4 +1,4 @@
-"""A training loop under ``torchrun`` on gloo, recorded on every rank: ``torchrun --nproc-per-node 2
+"""A training loop under ``torchrun`` on gloo, recorded on every rank: ``torchrun --nproc-per-node N
 tests/record_dist.py ddp|fsdp2 RUN_DIR`` writes ``RUN_DIR/rank-<r>.json`` per rank. Rank r's micro-batch is
 ``r + 1`` times the first's, so the ranks' peaks differ."""
 

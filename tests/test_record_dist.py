@@ -1,4 +1,4 @@
-"""``record`` under the real launcher: ``torchrun --nproc-per-node 2`` on gloo with DDP and with FSDP2; every
+"""``record`` under the real launcher: ``torchrun --nproc-per-node 2`` and ``4`` on gloo with DDP and FSDP2; every
 rank writes its ledger into one folder, and ``trainledger report`` reads the folder as ranks compared."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_every_rank_records_and_the_report_compares_them(strategy: str, tmp_path: Path) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+@pytest.mark.parametrize(("strategy", "world"), [("ddp", 2), ("fsdp2", 2), ("fsdp2", 4)])
+def test_every_rank_records_and_the_report_compares_them(strategy: str, world: int, tmp_path: Path) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     run = subprocess.run(
         [*launcher, "tests/record_dist.py", strategy, str(tmp_path)],
         cwd=ROOT,
@@ -31,10 +31,10 @@ def test_every_rank_records_and_the_report_compares_them(strategy: str, tmp_path
     saved = open_saved(tmp_path)
     assert saved.kind == "ranks"
     comparison = saved.result
-    assert [r.rank for r in comparison.rows] == [0, 1]
+    assert [r.rank for r in comparison.rows] == list(range(world))
     for row in comparison.rows:
         led = open_saved(tmp_path / Path(row.path).name).result
-        assert led.meta["rank"] == row.rank and led.meta["world_size"] == 2 and led.meta["step"] == 1
+        assert led.meta["rank"] == row.rank and led.meta["world_size"] == world and led.meta["step"] == 1
         assert {"forward", "backward", "optimizer"} <= {ev.phase for ev in led.events}
-    # rank 1's micro-batch is twice rank 0's: its activations set the job's peak
-    assert comparison.peak_row.rank == 1 and comparison.skew is not None and comparison.skew > 1
+    # rank r's micro-batch is r + 1 times rank 0's: the last rank's activations set the job's peak
+    assert comparison.peak_row.rank == world - 1 and comparison.skew is not None and comparison.skew > 1
