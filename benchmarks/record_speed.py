@@ -25,11 +25,11 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def measure(repeats: int = 5) -> dict[str, float]:
-    from benchmarks.trace_speed import _gpt_small
+    from benchmarks.trace_speed import build
     from trainledger import record, trace
     from trainledger.workload import run_step
 
-    w = _gpt_small()
+    w = build("gpt-small")
     opt = w.get_optimizer()
     run_step(w)
     plain, traced, recorded, recorded_wall = [], [], [], []
