@@ -2,7 +2,7 @@
 
 Each test runs the real entry point in a fresh process with ``TMPDIR`` pointing at a folder of its own
 (so a leftover is this command's, and nothing else's), waits until the work it means to interrupt has
-begun — the ranks of ``shard --run`` exist, or ``pareto``'s MILP solver has written its model file —
+begun — the ranks of ``shard --run`` exist, or ``pareto`` has spent seconds of work past its imports —
 sends the signal, and checks the exit status, the processes and the folder.
 """
 
@@ -74,7 +74,9 @@ def _all_gone(pids: list[int], timeout: float = 10) -> list[int]:
 def _interrupt(proc: subprocess.Popen[str], signum: int) -> str:
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum, err  # 130, 143, 129: as shells report it
+    # 130, 143, 129 as shells report it; or ended by the signal itself, which Python does after a
+    # KeyboardInterrupt it saw while shutting down (a shell reports that as 130 too)
+    assert proc.returncode in (128 + signum, -signum), err
     assert "Traceback" not in err
     return err
 
@@ -107,11 +109,21 @@ def test_ranks_exit_when_their_parent_is_killed(tmp_path):
         assert _all_gone(ranks) == []
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system time the process has used (``/proc/<pid>/stat`` fields 14 and 15, in clock ticks)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
-def test_pareto_leaves_no_solver_process_and_no_solver_file(tmp_path, signum):
-    with _running(["pareto", "--model", "gpt-tiny", "--budgets", "2"], tmp_path) as proc:
-        _wait_for(proc, lambda: any(tmp_path.rglob("*.mps")))  # PyTorch's SAC MILP is being solved
+def test_pareto_leaves_no_solver_process_and_no_temporary_file(tmp_path, signum):
+    with _running(["pareto", "--model", "gpt-tiny", "--budgets", "8", "--verify"], tmp_path) as proc:
+        _wait_for(proc, lambda: _cpu_seconds(proc.pid) > 4)  # tracing, planning or verifying by then
         children = child_pids(proc.pid)
         _interrupt(proc, signum)
     assert _all_gone(children) == []
-    assert list(tmp_path.iterdir()) == []
+    # torch's compiler cache (``torchinductor_<user>``) is kept across runs on purpose: not a temporary file
+    assert [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")] == []

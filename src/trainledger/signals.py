@@ -39,27 +39,41 @@ def exit_status(signum: int) -> int:
     return 128 + int(signum)
 
 
+_received: list[int] = []
+"""The signal that arrived within :func:`terminating_signals_raise`'s block, if one did."""
+
+
+def _exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
 def _raise(signum: int, _frame: FrameType | None) -> None:
-    for s in TERMINATING:  # the cleanup that follows must not be cut short by a second signal
-        signal.signal(s, signal.SIG_IGN)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Terminated(signum)
+    if _received:  # the cleanup that follows must not be cut short by a second signal
+        return
+    _received.append(signum)
+    raise _exception(signum)
 
 
 @contextlib.contextmanager
 def terminating_signals_raise() -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM and SIGHUP raise
-    :class:`Terminated`, once; later signals are ignored until the block ends. Only the main thread can
+    :class:`Terminated`, once; later signals are ignored until the block ends. A signal whose exception
+    Python swallowed (it arrived while a weak-reference callback or a finalizer ran) is raised again
+    when the block ends. Only the main thread can
     set handlers: elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.getsignal(s) for s in TERMINATING}
+    _received.clear()
     try:
         for s in TERMINATING:
             signal.signal(s, _raise)
         yield
+        if _received:
+            # raised where Python could not pass it on (a weak-reference callback, a finalizer, which only
+            # print what they raise): the work went on to its end, and the signal is acted on now
+            raise _exception(_received[0])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
