@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "ledger", "checks", "signals"),
     ("declared", "analytic", "allocator", "devices", "remat.solvers", "shard"),
     ("workload", "inventory", "trace", "measure", "state", "shard._observe", "remat"),
-    ("examples", "hf", "sources", "shard.launch"),
+    ("examples", "hf", "anymodel", "sources", "shard.launch"),
     ("report",),
     ("commands", "cli"),
 )
