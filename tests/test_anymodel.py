@@ -90,3 +90,28 @@ def test_bad_configs_are_one_line_and_exit_2(tmp_path, capsys, config, flags, me
 def test_estimate_says_only_the_trace_covers_it(capsys):
     assert main(["estimate", "--hf-config", str(FIXTURES / "bert-tiny.json")]) == 2
     assert "only the trace covers it" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_diffusers_fake_trace_equals_real_trace():
+    pytest.importorskip("diffusers")
+    from trainledger.anymodel import workload_from_diffusers_config
+    from trainledger.trace import trace
+
+    path = FIXTURES / "sd15-unet-diffusers-small.json"
+    setup = Setup(micro_batch=2, seq_len=8, recipe="fp32")
+    real = trace(workload_from_diffusers_config(path, setup))
+    fake = trace(workload_from_diffusers_config(path, setup, fake=True), fake=True)
+    assert fake.peak().bytes == real.peak().bytes
+    assert fake.num_params() == real.num_params()
+
+
+def test_a_missing_or_unusable_extra_is_one_line(capsys):
+    try:
+        import timm  # noqa: F401
+
+        pytest.skip("timm is usable here")
+    except Exception:
+        pass
+    assert main(["trace", "--timm", "resnet50", "--fake"]) == 2
+    assert capsys.readouterr().err.strip().endswith("pip install 'trainledger[timm]'")

@@ -320,3 +320,167 @@ def workload_from_any_config(
         declare_unpacked(model)
     batch = _batch(cfg, model.config, setup, dtype, mode, seed)
     return Workload(model, batch, optimizer=optimizer_factory(setup), name=cfg.name)
+
+
+# --- diffusers and timm (optional extras) -------------------------------------------------------------
+
+
+def _extra(module: str, extra: str) -> Any:
+    """An optional package, or one line naming the extra that installs it."""
+    try:
+        return __import__(module)
+    except Exception:  # missing, or present but unusable (a torchvision built for another torch)
+        raise InputError(f"this model needs {module}: pip install 'trainledger[{extra}]'") from None
+
+
+class Denoiser(nn.Module):
+    """A diffusers model trained with the denoising MSE loss: ``‖ε_θ(x_t, t, c) − ε‖²`` (Ho et al., 2020, eq. 14).
+
+    The batch holds the noisy latents, timesteps and conditioning the model takes, and the ``target`` noise
+    (shaped as the model's output: twice the channels where the variance is learned, as DiT's)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, target: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        out = self.inner(**inputs, return_dict=False)[0]
+        return torch.nn.functional.mse_loss(out.float(), target.float())
+
+
+class Classifier(nn.Module):
+    """An image classifier that returns logits, trained with cross-entropy on its labels."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.inner(pixel_values).float(), labels)
+
+
+@contextlib.contextmanager
+def _building(mode: Any, dtype: torch.dtype, seed: int) -> Any:
+    """Build under ``mode`` (fake) or seeded, with parameters created in ``dtype`` (converting them afterwards
+    cannot swap fake parameters in place)."""
+    if mode is None:
+        torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with quiet_transformers(), mode if mode is not None else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _fake_mode(fake: bool) -> Any:
+    if not isinstance(fake, bool):
+        raise InputError(f"fake {fake!r} must be True or False")
+    if not fake:
+        return None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _diffusers_class(raw: dict[str, Any]) -> Any:
+    diffusers = _extra("diffusers", "diffusers")
+    name = raw.get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if cls is None or not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin):
+        raise InputError(
+            f"diffusers config names _class_name {name!r}, which is no diffusers model; give the config.json of "
+            "a model folder (UNet2DConditionModel, SD3Transformer2DModel, DiTTransformer2DModel, ...)"
+        )
+    return cls
+
+
+def _conditioning(config: Any, params: set[str], batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the conditioning the model's ``forward`` takes, sized from its config."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    width = config.get("cross_attention_dim") or config.get("joint_attention_dim") or config.get("caption_channels")
+    if "encoder_hidden_states" in params and width:
+        shapes["encoder_hidden_states"] = (batch, tokens, width)
+    if "pooled_projections" in params and config.get("pooled_projection_dim"):
+        shapes["pooled_projections"] = (batch, config["pooled_projection_dim"])
+    return shapes
+
+
+def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: int, mode: Any, seed: int) -> Any:
+    """Noisy latents ``(B, C, side, side)``, timesteps, conditioning, class labels, and the target noise."""
+    import inspect
+
+    params = set(inspect.signature(model.forward).parameters)
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    b = setup.micro_batch
+    latent = "sample" if "sample" in params else "hidden_states"
+    shapes = {latent: (b, raw.get("in_channels", 4), side, side), **_conditioning(raw, params, b, setup.seq_len)}
+    with mode if mode is not None else contextlib.nullcontext():
+        batch: dict[str, torch.Tensor] = {
+            k: torch.zeros(s, dtype=dtype) if mode is not None else torch.randn(s, generator=gen).to(dtype)
+            for k, s in shapes.items()
+        }
+        steps = torch.zeros(b, dtype=torch.long) if mode is not None else torch.randint(0, 1000, (b,), generator=gen)
+        batch["timestep"] = steps
+        if "class_labels" in params and (raw.get("num_embeds_ada_norm") or raw.get("num_class_embeds")):
+            batch["class_labels"] = torch.zeros(b, dtype=torch.long)
+        out_channels = raw.get("out_channels") or raw.get("in_channels", 4)
+        out = (b, out_channels, side, side)
+        batch["target"] = torch.zeros(out, dtype=dtype) if mode is not None else torch.randn(out, generator=gen)
+    return batch
+
+
+def workload_from_diffusers_config(
+    path: str | Path, setup: Setup, *, latent_size: int | None = None, fake: bool = False, seed: int = 0
+) -> Workload:
+    """One denoising training step of a diffusers model from its local ``config.json`` (no weights read).
+
+    Arguments:
+        path: the model's ``config.json`` (its ``_class_name`` names the class) or a folder holding one.
+        setup: micro-batch, conditioning tokens (``seq_len``), precision recipe and optimizer.
+        latent_size: latent pixels per side (default: the config's ``sample_size``).
+        fake: build under ``FakeTensorMode`` (full size, nothing allocated).
+    """
+    raw = load_config_file(path)
+    cls = _diffusers_class(raw)
+    mode = _fake_mode(fake)
+    side = latent_size or raw.get("sample_size") or 64
+    side = side if isinstance(side, int) else side[0]
+    with _building(mode, getattr(torch, setup.weight_dtype), seed):
+        try:
+            inner = cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"diffusers cannot build {cls.__name__} from {path}: {exc}") from exc
+    batch = _diffusion_batch(inner, raw, setup, side, mode, seed)
+    name = f"{cls.__name__}:{Path(path).stem}"
+    return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
+
+
+def workload_from_timm(
+    name: str, setup: Setup, *, image_size: int | None = None, fake: bool = False, seed: int = 0
+) -> Workload:
+    """One classification training step of a timm model by name, built without pretrained weights.
+
+    The images are ``(B, 3, image_size, image_size)`` (default: the model's own input size), the labels
+    random classes, the loss cross-entropy.
+    """
+    timm = _extra("timm", "timm")
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise InputError(f"timm has no model {name!r}; list them with timm.list_models('pattern*')")
+    mode = _fake_mode(fake)
+    dtype = getattr(torch, setup.weight_dtype)
+    with _building(mode, dtype, seed):
+        kwargs = {"img_size": image_size} if image_size else {}
+        try:
+            inner = timm.create_model(name, pretrained=False, **kwargs).train()
+        except TypeError:  # a convolutional net takes any size and has no img_size argument
+            inner = timm.create_model(name, pretrained=False).train()
+        side = image_size or inner.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+        gen = torch.Generator().manual_seed(seed)
+        shape = (setup.micro_batch, 3, side, side)
+        pixels = torch.zeros(shape, dtype=dtype) if fake else torch.randn(shape, generator=gen).to(dtype)
+        labels = torch.zeros(setup.micro_batch, dtype=torch.long)
+    batch = {"pixel_values": pixels, "labels": labels}
+    return Workload(Classifier(inner), batch, optimizer=optimizer_factory(setup), name=f"timm:{name}")

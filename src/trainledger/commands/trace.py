@@ -69,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="TASK",
         help=f"the model trained: {', '.join(TASK_NAMES)} (default: the config's architectures)",
     )
+    hf.add_argument("--timm", metavar="NAME", help="a timm model by name, no pretrained weights (the timm extra)")
+    hf.add_argument(
+        "--diffusers-config",
+        metavar="PATH",
+        help="a diffusers model's local config.json, trained with the denoising loss (the diffusers extra)",
+    )
     hf.add_argument(
         "--image-size", type=positive_int(), help="pixels per side for image classification (default: the config's)"
     )
@@ -97,6 +103,11 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) ->
     if args.model and args.hf_config:
         raise InputError("give either --model or --hf-config, not both")
     given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f)]
+    if len(sources) > 1:
+        raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
+    if args.timm or args.diffusers_config:
+        return _vision_workload(args, given)
     if args.hf_config and not in_analytic_family(args):
         return _any_workload(args, given)
     if args.image_size is not None:
@@ -108,7 +119,9 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) ->
         check_lora_flags(step)
         return workload_from_setup(args.hf_config if config is None else config, setup_from(step), fake=args.fake)
     if not args.model:
-        raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
+        raise InputError(
+            "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
+        )
     given.update({k: True for k in ("task",) if getattr(args, k) is not None})
     if given:
         flags = flags_verb(["--" + k.replace("_", "-") for k in given], "applies", "apply")
@@ -141,6 +154,18 @@ def _any_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
     for note in cfg.notes:
         Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
     return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=args.fake)
+
+
+def _vision_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
+    """A timm classifier or a diffusers denoiser (``--seq-len``: the denoiser's conditioning tokens, default 77)."""
+    from trainledger.anymodel import workload_from_diffusers_config, workload_from_timm
+
+    step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
+    check_lora_flags(step)
+    setup = setup_from(step)
+    if args.timm:
+        return workload_from_timm(args.timm, setup, image_size=args.image_size, fake=args.fake)
+    return workload_from_diffusers_config(args.diffusers_config, setup, latent_size=args.image_size, fake=args.fake)
 
 
 def run(args: argparse.Namespace) -> int:
