@@ -98,7 +98,7 @@ def test_diffusers_fake_trace_equals_real_trace():
     from trainledger.anymodel import workload_from_diffusers_config
     from trainledger.trace import trace
 
-    path = FIXTURES / "sd15-unet-diffusers-small.json"
+    path = FIXTURES / "sd15-unet-tiny-diffusers.json"
     setup = Setup(micro_batch=2, seq_len=8, recipe="fp32")
     real = trace(workload_from_diffusers_config(path, setup))
     fake = trace(workload_from_diffusers_config(path, setup, fake=True), fake=True)
