@@ -131,7 +131,10 @@ def load_any_config(path: str | Path | dict[str, Any], *, task: str | None = Non
                 f"model_type {model_type!r} exists only as remote code (auto_map); trainledger never runs remote "
                 "code: give a config of an architecture transformers ships"
             )
-        raise InputError(f"unknown architecture: transformers {tf.__version__} has no model_type {model_type!r}")
+        raise InputError(
+            f"unknown architecture: transformers {tf.__version__} has no model_type {model_type!r}; "
+            "give the model_type of an architecture it ships (bert, t5, vit, llama, ...)"
+        )
     chosen, class_name = _choose_task(tf, raw, task)
     return AnyConfig(
         raw=raw,
