@@ -139,7 +139,7 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
     [
         ('{"model_type": "llama", "hidden_size": 64', "is not valid JSON"),
         ('{"hidden_size": 64}', "missing key 'model_type'"),
-        ('{"model_type": "t5", "d_model": 512}', "unknown model_type 't5'"),
+        ('{"model_type": "t5", "d_model": 512}', "model_type 't5' is outside the analytic model"),
         (
             '{"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 2, '
             '"num_attention_heads": 4}',

@@ -62,7 +62,8 @@ _DROPPED_KEYS = (
 )
 
 
-def _transformers() -> Any:
+def import_transformers() -> Any:
+    """``transformers``, imported with the Hub switched off, or one line naming the extra to install."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub, whatever a config names
     try:
         import transformers
@@ -74,7 +75,7 @@ def _transformers() -> Any:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """transformers warns about token ids outside a scaled-down vocabulary and the like: not our user's concern."""
     logger = logging.getLogger("transformers")
     level = logger.level
@@ -117,9 +118,9 @@ def transformers_config(cfg: HFConfig, *, attn_impl: AttnImpl = "sdpa") -> Any:
     """The family's own ``transformers`` config object, built locally from the dict (no Hub, no remote code)."""
     if attn_impl not in ("eager", "sdpa"):
         raise InputError(f"unknown attention implementation {attn_impl!r}; accepted: eager, sdpa")
-    tf = _transformers()
+    tf = import_transformers()
     kwargs = {k: v for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
-    with _quiet():
+    with quiet_transformers():
         try:
             config = tf.AutoConfig.for_model(cfg.spec.family, **kwargs)
         except (TypeError, ValueError, KeyError) as exc:
@@ -152,7 +153,7 @@ def build_model(
         >>> sum(p.numel() for p in m.parameters()) == num_params(cfg.spec)
         True
     """
-    tf = _transformers()
+    tf = import_transformers()
     config = transformers_config(cfg, attn_impl=attn_impl)
     if device == "fake":
         if fake_mode is None:
@@ -165,7 +166,7 @@ def build_model(
         torch.manual_seed(seed)
     else:
         raise ValueError(f"unknown device {device!r}")
-    with _quiet(), ctx:
+    with quiet_transformers(), ctx:
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.train()
     return model
@@ -263,7 +264,7 @@ def _dpo_loss(policy: nn.Module, reference: nn.Module) -> Any:
     return loss_fn
 
 
-def _declare_unpacked(model: nn.Module) -> None:
+def declare_unpacked(model: nn.Module) -> None:
     """Our batches hold one sequence per row. transformers checks that by reading ``position_ids``
     (``find_packed_sequence_indices``); on fake tensors it cannot, assumes packing, and builds an explicit
     causal mask (with SDPA: a different kernel path, repeated K/V for GQA) that the real step never builds.
@@ -424,7 +425,7 @@ def _policy_model(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Modul
                 "checkpointing every k-th layer needs transformers with activation_checkpointing_enable (5.x)"
             )
     if mode is not None:
-        _declare_unpacked(model)
+        declare_unpacked(model)
     return model
 
 
@@ -432,7 +433,7 @@ def _reference_model(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Mo
     """The frozen copy of the model that DPO's loss reads (its own weights: seeded apart)."""
     model = _build(cfg, setup, mode, seed + 1).requires_grad_(False)
     if mode is not None:
-        _declare_unpacked(model)
+        declare_unpacked(model)
     return model
 
 

@@ -8,7 +8,16 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.analytic import OPTIMIZERS, RECIPES, REMATS, EstimateResult, Setup, estimate
+from trainledger.analytic import (
+    FAMILIES,
+    OPTIMIZERS,
+    RECIPES,
+    REMATS,
+    EstimateResult,
+    Setup,
+    estimate,
+    load_config_file,
+)
 from trainledger.commands.common import add_json_flag, emit, positive_int
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
@@ -160,7 +169,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def check_analytic_family(path: str) -> None:
+    """An architecture outside the analytic model's families: say that only the trace covers it."""
+    model_type = load_config_file(path).get("model_type")
+    if isinstance(model_type, str) and model_type not in FAMILIES:
+        raise InputError(
+            f"model_type {model_type!r} is outside the analytic model ({', '.join(FAMILIES)}); only the trace "
+            f"covers it: trainledger trace --hf-config {path} --fake"
+        )
+
+
 def compute(args: argparse.Namespace) -> EstimateResult:
+    check_analytic_family(args.hf_config)
     check_lora_flags(args)
     if args.remat_every is not None and args.remat != "full":
         raise InputError(f"--remat-every {args.remat_every} applies with --remat full; add it or drop --remat-every")

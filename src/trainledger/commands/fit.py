@@ -10,7 +10,7 @@ from rich.text import Text
 
 from trainledger.analytic import RECIPES, FitOptions, FitResult, Setup, fit
 from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
-from trainledger.commands.estimate import add_setup_flags, check_lora_flags, setup_from
+from trainledger.commands.estimate import add_setup_flags, check_analytic_family, check_lora_flags, setup_from
 from trainledger.errors import InputError
 from trainledger.report.terminal import UNITS_NOTE, both_units, notes_text, print_renderables
 from trainledger.units import format_bytes
@@ -72,6 +72,7 @@ def compute(args: argparse.Namespace) -> FitResult:
         link_gbps=args.link_gbps,
         reserve_bytes=args.reserve or 0,
     )
+    check_analytic_family(args.hf_config)
     return fit(args.hf_config, options, base)
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
+from trainledger.analytic import FAMILIES, load_config_file
 from trainledger.commands._stacked import trace_hf_stacked
 from trainledger.commands.common import (
     add_json_flag,
@@ -38,6 +39,16 @@ from trainledger.sources import load_workload
 from trainledger.trace import TraceReport
 from trainledger.workload import Workload
 
+TASK_NAMES = (
+    "causal-lm",
+    "seq2seq",
+    "masked-lm",
+    "sequence-classification",
+    "token-classification",
+    "image-classification",
+)
+"""The tasks of ``--task`` (:data:`trainledger.anymodel.TASKS`, named here so that ``--help`` imports no torch)."""
+
 if TYPE_CHECKING:
     from trainledger.hf import HFConfig
 
@@ -52,6 +63,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
     hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
     add_step_flags(hf, unset=True)
+    hf.add_argument(
+        "--task",
+        choices=tuple(TASK_NAMES),
+        metavar="TASK",
+        help=f"the model trained: {', '.join(TASK_NAMES)} (default: the config's architectures)",
+    )
+    hf.add_argument("--timm", metavar="NAME", help="a timm model by name, no pretrained weights (the timm extra)")
+    hf.add_argument(
+        "--diffusers-config",
+        metavar="PATH",
+        help="a diffusers model's local config.json, trained with the denoising loss (the diffusers extra)",
+    )
+    hf.add_argument(
+        "--image-size", type=positive_int(), help="pixels per side for image classification (default: the config's)"
+    )
     sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
     sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
     sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
@@ -77,6 +103,15 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) ->
     if args.model and args.hf_config:
         raise InputError("give either --model or --hf-config, not both")
     given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f)]
+    if len(sources) > 1:
+        raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
+    if args.timm or args.diffusers_config:
+        return _vision_workload(args, given)
+    if args.hf_config and not in_analytic_family(args):
+        return _any_workload(args, given)
+    if args.image_size is not None:
+        raise InputError("--image-size applies to image classification (--task image-classification): drop it")
     if args.hf_config:
         from trainledger.hf import workload_from_setup
 
@@ -84,7 +119,10 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) ->
         check_lora_flags(step)
         return workload_from_setup(args.hf_config if config is None else config, setup_from(step), fake=args.fake)
     if not args.model:
-        raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
+        raise InputError(
+            "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
+        )
+    given.update({k: True for k in ("task",) if getattr(args, k) is not None})
     if given:
         flags = flags_verb(["--" + k.replace("_", "-") for k in given], "applies", "apply")
         raise InputError(
@@ -92,6 +130,42 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) ->
             "and batch: drop them"
         )
     return load_workload(args.model)
+
+
+def in_analytic_family(args: argparse.Namespace) -> bool:
+    """A causal-LM step of one of the analytic model's families: built by :mod:`trainledger.hf` and traced a
+    few layers deep; any other architecture is built whole by :mod:`trainledger.anymodel`."""
+    if args.task not in (None, "causal-lm"):
+        return False
+    return load_config_file(args.hf_config).get("model_type") in FAMILIES
+
+
+def _any_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
+    """The step of an architecture outside the analytic families (its notes on stderr, one line each)."""
+    from trainledger.anymodel import default_seq_len, load_any_config, workload_from_any_config
+
+    cfg = load_any_config(args.hf_config, task=args.task)
+    step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
+    check_lora_flags(step)
+    if cfg.task == "image-classification" and "seq_len" in given:
+        raise InputError("--seq-len applies to token inputs; an image classifier reads --image-size: drop it")
+    if "seq_len" not in given:
+        step.seq_len = default_seq_len(cfg, step.seq_len)
+    for note in cfg.notes:
+        Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
+    return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=args.fake)
+
+
+def _vision_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
+    """A timm classifier or a diffusers denoiser (``--seq-len``: the denoiser's conditioning tokens, default 77)."""
+    from trainledger.anymodel import workload_from_diffusers_config, workload_from_timm
+
+    step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
+    check_lora_flags(step)
+    setup = setup_from(step)
+    if args.timm:
+        return workload_from_timm(args.timm, setup, image_size=args.image_size, fake=args.fake)
+    return workload_from_diffusers_config(args.diffusers_config, setup, latent_size=args.image_size, fake=args.fake)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     strategy = parse_strategy(args.stage)
     if args.full_depth and not (args.hf_config and args.fake):
         raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
-    stacked = args.hf_config and args.fake and not (args.full_depth or args.model)
+    stacked = args.hf_config and args.fake and not (args.full_depth or args.model) and in_analytic_family(args)
     workload = None if stacked else workload_for(args)
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:

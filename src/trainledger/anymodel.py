@@ -1,0 +1,489 @@
+"""Any architecture ``transformers`` builds from a local config: the model class and a batch it trains on.
+
+The analytic model knows seven decoder families (:mod:`trainledger.hf` builds those); tracing needs no
+per-family code. This module builds every other architecture that ``transformers`` ships, from a local
+``config.json`` and without remote code: the task (and so the ``AutoModelFor…`` class) comes from the
+config's ``architectures`` or from an explicit ``task``, and the batch is synthesized from what that task's
+model takes — ``input_ids`` and ``labels`` for language models (``decoder_input_ids`` too for
+encoder–decoders), ``pixel_values`` and class labels for image classifiers. The loss is the model's own.
+
+A config whose ``model_type`` transformers does not know and that names remote code (``auto_map``) is
+refused: ``trust_remote_code`` is never set. ``auto_map`` beside a known ``model_type`` and a
+``quantization_config`` are ignored, and :attr:`AnyConfig.notes` says so in one line each.
+
+Example:
+    >>> cfg = load_any_config({"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 512,
+    ...     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64})
+    >>> cfg.task, cfg.class_name
+    ('masked-lm', 'BertForMaskedLM')
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainledger.analytic import Setup, load_config_file
+from trainledger.checks import instance_of
+from trainledger.errors import InputError
+from trainledger.hf import declare_unpacked, import_transformers, optimizer_factory, quiet_transformers
+from trainledger.workload import Workload
+
+TASKS: dict[str, tuple[str, str]] = {
+    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
+    "masked-lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
+    "sequence-classification": (
+        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+        "AutoModelForSequenceClassification",
+    ),
+    "token-classification": ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "AutoModelForTokenClassification"),
+    "image-classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+}
+"""The tasks a batch can be synthesized for: each one's ``model_type → class`` table in transformers and
+its ``AutoModelFor…`` class. Without ``architectures`` or ``task`` the first task that has a class for the
+config's ``model_type`` is taken, in this order."""
+
+_DROPPED_KEYS = ("auto_map", "quantization_config", "torch_dtype", "dtype", "attn_implementation", "architectures")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnyConfig:
+    """A local config that transformers can build, and the task it is trained on."""
+
+    raw: dict[str, Any]
+    """The config as read (``model_type`` and every size)."""
+    task: str
+    """A key of :data:`TASKS`."""
+    class_name: str
+    """The transformers class that ``task`` builds for this ``model_type``."""
+    source: str
+    """The file it was read from (empty for a dict)."""
+    notes: tuple[str, ...] = ()
+    """What of the config is ignored, one line each (``auto_map``, ``quantization_config``)."""
+
+    @property
+    def model_type(self) -> str:
+        return str(self.raw["model_type"])
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type}:{Path(self.source).stem if self.source else 'config'}"
+
+
+def _task_table(tf: Any, task: str) -> dict[str, str]:
+    from transformers.models.auto import modeling_auto
+
+    del tf  # imported first, with the Hub switched off
+    return dict(getattr(modeling_auto, TASKS[task][0]))
+
+
+def _choose_task(tf: Any, raw: dict[str, Any], task: str | None) -> tuple[str, str]:
+    """The task and class: the one asked for, or the one ``architectures`` names, or the first with a class."""
+    model_type = raw["model_type"]
+    tables = {t: _task_table(tf, t) for t in TASKS}
+    offered = [t for t in TASKS if model_type in tables[t]]
+    if task is not None:
+        if task not in TASKS:
+            raise InputError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+        if task not in offered:
+            raise InputError(
+                f"transformers has no {task} model for model_type {model_type!r}; "
+                f"accepted for it: {', '.join(offered) or 'none of ' + ', '.join(TASKS)}"
+            )
+        return task, tables[task][model_type]
+    named = raw.get("architectures") or []
+    for class_name in named if isinstance(named, list) else []:
+        for t in offered:
+            if tables[t][model_type] == class_name:
+                return t, class_name
+    if named:
+        raise InputError(
+            f"architecture {named[0]!r} is none of the tasks a batch can be made for; "
+            f"give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
+        )
+    if not offered:
+        raise InputError(f"model_type {model_type!r} has no model for any of the tasks {', '.join(TASKS)}")
+    return offered[0], tables[offered[0]][model_type]
+
+
+def load_any_config(path: str | Path | dict[str, Any], *, task: str | None = None) -> AnyConfig:
+    """Read a config that transformers can build without remote code, and choose its task.
+
+    Raises :class:`InputError` for a config without ``model_type``, an architecture transformers does not
+    know (remote code is never run), and a task the architecture has no model for.
+    """
+    raw = dict(path) if isinstance(path, dict) else load_config_file(path)
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise InputError("config is missing key 'model_type'; give the model_type transformers names it by")
+    tf = import_transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        if raw.get("auto_map"):
+            raise InputError(
+                f"model_type {model_type!r} exists only as remote code (auto_map); trainledger never runs remote "
+                "code: give a config of an architecture transformers ships"
+            )
+        raise InputError(
+            f"unknown architecture: transformers {tf.__version__} has no model_type {model_type!r}; "
+            "give the model_type of an architecture it ships (bert, t5, vit, llama, ...)"
+        )
+    chosen, class_name = _choose_task(tf, raw, task)
+    return AnyConfig(
+        raw=raw,
+        task=chosen,
+        class_name=class_name,
+        source="" if isinstance(path, dict) else str(path),
+        notes=_notes(raw),
+    )
+
+
+def _notes(raw: dict[str, Any]) -> tuple[str, ...]:
+    notes = []
+    if raw.get("auto_map"):
+        notes.append(f"auto_map ignored: built with transformers' own {raw['model_type']} classes, no remote code")
+    if raw.get("quantization_config"):
+        method = (raw["quantization_config"] or {}).get("quant_method", "its method")
+        notes.append(f"quantization_config ignored: weights are traced in the step's dtype, not quantized ({method})")
+    return tuple(notes)
+
+
+def _transformers_config(cfg: AnyConfig, attn_impl: str, image_size: int | None) -> Any:
+    tf = import_transformers()
+    kwargs = {k: v for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
+    if image_size is not None:
+        kwargs["image_size"] = image_size
+    with quiet_transformers():
+        try:
+            config = tf.AutoConfig.for_model(cfg.model_type, **kwargs)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise InputError(f"transformers rejects the {cfg.model_type} config: {exc}") from exc
+    config.use_cache = False  # a training step keeps no key/value cache
+    config._attn_implementation = attn_impl
+    return config
+
+
+def _no_init(mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """On fake tensors initial values mean nothing, and some initialisers (ViT's truncated normal) read
+    values, which fake tensors cannot give: transformers' own switch skips them."""
+    if mode is None:
+        return contextlib.nullcontext()
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def build_any_model(
+    cfg: AnyConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_impl: str = "sdpa",
+    image_size: int | None = None,
+    mode: Any = None,
+    seed: int = 0,
+) -> nn.Module:
+    """The task's model of ``cfg`` in training mode: under ``mode`` (a ``FakeTensorMode``) or for real on the CPU.
+
+    An architecture without SDPA attention is built with its eager attention instead.
+    """
+    tf = import_transformers()
+    auto = getattr(tf, TASKS[cfg.task][1])
+    if mode is None:
+        torch.manual_seed(seed)
+    for impl in (attn_impl, "eager"):
+        config = _transformers_config(cfg, impl, image_size)
+        with quiet_transformers(), mode if mode is not None else contextlib.nullcontext(), _no_init(mode):
+            try:
+                model = auto.from_config(config, dtype=dtype, trust_remote_code=False)
+                if mode is not None:
+                    model.tie_weights()  # initialisation, skipped on fake tensors, is where weights are tied
+            except ValueError as exc:
+                if impl != "eager" and "attention" in str(exc).lower():
+                    continue  # no SDPA path for this architecture
+                raise InputError(f"transformers cannot build {cfg.class_name}: {exc}") from exc
+        model.train()
+        return model
+    raise AssertionError("unreachable: eager attention is always tried last")
+
+
+def default_seq_len(cfg: AnyConfig, wanted: int) -> int:
+    """``wanted`` tokens, or fewer when the architecture has fewer positions (BERT's 512)."""
+    positions = cfg.raw.get("max_position_embeddings")
+    return min(wanted, positions) if isinstance(positions, int) and positions > 0 else wanted
+
+
+def _check_step(cfg: AnyConfig, setup: Setup, image_size: int | None, fake: bool) -> None:
+    """What the step of an architecture outside the analytic families cannot take."""
+    if not isinstance(fake, bool):
+        raise InputError(f"fake {fake!r} must be True or False")
+    unsupported = {
+        "lora_rank": setup.lora_rank,
+        "reference": setup.reference,
+        "remat": setup.remat != "none",
+        "tensor_parallel": setup.tensor_parallel > 1,
+        "pipeline_parallel": setup.pipeline_parallel > 1,
+    }
+    given = [k for k, v in unsupported.items() if v]
+    if given:
+        raise InputError(
+            f"{', '.join(given)}: only for the analytic families' causal-LM step; a {cfg.model_type} "
+            f"{cfg.task} step is traced plain: drop them"
+        )
+    if image_size is not None and (not isinstance(image_size, int) or image_size < 1):
+        raise InputError(f"image size {image_size!r} must be a whole number of pixels above 0, e.g. 224")
+    if image_size is not None and cfg.task != "image-classification":
+        raise InputError(f"image size applies to image classification; a {cfg.task} step reads tokens: drop it")
+    if cfg.task != "image-classification" and setup.seq_len > default_seq_len(cfg, setup.seq_len):
+        raise InputError(
+            f"sequence length {setup.seq_len:,} is above the {cfg.raw['max_position_embeddings']:,} positions of "
+            f"this {cfg.model_type} config; give at most that"
+        )
+
+
+def _pixels(config: Any, micro_batch: int, dtype: torch.dtype, fake: bool, gen: torch.Generator) -> torch.Tensor:
+    """``(B, C, H, W)`` images at the config's size (square unless it names two sides)."""
+    size = getattr(config, "image_size", None) or 224
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    shape = (micro_batch, getattr(config, "num_channels", 3), height, width)
+    return torch.zeros(shape, dtype=dtype) if fake else torch.randn(shape, generator=gen).to(dtype)
+
+
+def _batch(cfg: AnyConfig, config: Any, setup: Setup, dtype: torch.dtype, mode: Any, seed: int) -> dict[str, Any]:
+    """The task's inputs and labels: random for a real build, zeros on fake tensors (same shapes)."""
+    gen = torch.Generator().manual_seed(seed)
+    fake = mode is not None
+
+    def ints(shape: tuple[int, ...], high: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.long) if fake else torch.randint(0, high, shape, generator=gen)
+
+    tokens = (setup.micro_batch, setup.seq_len)
+    with mode if fake else contextlib.nullcontext():
+        if cfg.task == "image-classification":
+            pixels = _pixels(config, setup.micro_batch, dtype, fake, gen)
+            return {"pixel_values": pixels, "labels": ints((setup.micro_batch,), config.num_labels)}
+        ids = ints(tokens, config.vocab_size)
+        if cfg.task == "seq2seq":  # labels are the decoder's targets; its inputs, shifted, come beside them
+            targets = ints(tokens, config.vocab_size)
+            return {"input_ids": ids, "decoder_input_ids": targets, "labels": targets}
+        if cfg.task == "sequence-classification":
+            return {"input_ids": ids, "labels": ints((setup.micro_batch,), config.num_labels)}
+        if cfg.task == "token-classification":
+            return {"input_ids": ids, "labels": ints(tokens, config.num_labels)}
+        return {"input_ids": ids, "labels": ids}  # causal LM (shifted inside) and masked LM: every position
+
+
+def workload_from_any_config(
+    config: str | Path | dict[str, Any] | AnyConfig,
+    setup: Setup,
+    *,
+    task: str | None = None,
+    image_size: int | None = None,
+    fake: bool = False,
+    seed: int = 0,
+) -> Workload:
+    """One training step of any architecture transformers builds from a local config, ready for
+    :func:`trainledger.trace.trace`.
+
+    Arguments:
+        config: a ``config.json``, a folder holding one, the config as a dict, or a loaded :class:`AnyConfig`.
+        setup: micro-batch, sequence length (text tasks), precision recipe, optimizer and attention
+            implementation; LoRA, a reference model, recomputation and model parallelism are refused.
+        task: a key of :data:`TASKS` (default: from ``architectures``).
+        image_size: pixels per side for image classification (default: the config's ``image_size``).
+        fake: build under ``FakeTensorMode`` (full size, nothing allocated).
+        seed: seeds the weights and the batch of a real build.
+
+    Example:
+        >>> cfg = {"model_type": "t5", "vocab_size": 256, "d_model": 32, "d_kv": 8, "d_ff": 64,
+        ...        "num_layers": 2, "num_heads": 4}
+        >>> w = workload_from_any_config(cfg, Setup(micro_batch=2, seq_len=16), fake=True)
+        >>> sorted(w.batch), w.name
+        (['decoder_input_ids', 'input_ids', 'labels'], 't5:config')
+    """
+    cfg = config if isinstance(config, AnyConfig) else load_any_config(config, task=task)
+    setup = instance_of(setup, Setup, "setup", "give a trainledger.Setup(micro_batch=..., seq_len=..., ...)")
+    _check_step(cfg, setup, image_size, fake)
+    mode: Any = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    dtype = getattr(torch, setup.weight_dtype)
+    model = build_any_model(cfg, dtype=dtype, attn_impl=setup.attn_impl, image_size=image_size, mode=mode, seed=seed)
+    if fake and cfg.task == "causal-lm":
+        declare_unpacked(model)
+    batch = _batch(cfg, model.config, setup, dtype, mode, seed)
+    return Workload(model, batch, optimizer=optimizer_factory(setup), name=cfg.name)
+
+
+# --- diffusers and timm (optional extras) -------------------------------------------------------------
+
+
+def _extra(module: str, extra: str) -> Any:
+    """An optional package, or one line naming the extra that installs it."""
+    try:
+        return __import__(module)
+    except Exception:  # missing, or present but unusable (a torchvision built for another torch)
+        raise InputError(f"this model needs {module}: pip install 'trainledger[{extra}]'") from None
+
+
+class Denoiser(nn.Module):
+    """A diffusers model trained with the denoising MSE loss: ``‖ε_θ(x_t, t, c) − ε‖²`` (Ho et al., 2020, eq. 14).
+
+    The batch holds the noisy latents, timesteps and conditioning the model takes, and the ``target`` noise
+    (shaped as the model's output: twice the channels where the variance is learned, as DiT's)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, target: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        out = self.inner(**inputs, return_dict=False)[0]
+        return torch.nn.functional.mse_loss(out.float(), target.float())
+
+
+class Classifier(nn.Module):
+    """An image classifier that returns logits, trained with cross-entropy on its labels."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.inner(pixel_values).float(), labels)
+
+
+@contextlib.contextmanager
+def _building(mode: Any, dtype: torch.dtype, seed: int) -> Any:
+    """Build under ``mode`` (fake) or seeded, with parameters created in ``dtype`` (converting them afterwards
+    cannot swap fake parameters in place)."""
+    if mode is None:
+        torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with quiet_transformers(), mode if mode is not None else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _fake_mode(fake: bool) -> Any:
+    if not isinstance(fake, bool):
+        raise InputError(f"fake {fake!r} must be True or False")
+    if not fake:
+        return None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _diffusers_class(raw: dict[str, Any]) -> Any:
+    diffusers = _extra("diffusers", "diffusers")
+    name = raw.get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if cls is None or not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin):
+        raise InputError(
+            f"diffusers config names _class_name {name!r}, which is no diffusers model; give the config.json of "
+            "a model folder (UNet2DConditionModel, SD3Transformer2DModel, DiTTransformer2DModel, ...)"
+        )
+    return cls
+
+
+def _conditioning(config: Any, params: set[str], batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the conditioning the model's ``forward`` takes, sized from its config."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    width = config.get("cross_attention_dim") or config.get("joint_attention_dim") or config.get("caption_channels")
+    if "encoder_hidden_states" in params and width:
+        shapes["encoder_hidden_states"] = (batch, tokens, width)
+    if "pooled_projections" in params and config.get("pooled_projection_dim"):
+        shapes["pooled_projections"] = (batch, config["pooled_projection_dim"])
+    return shapes
+
+
+def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: int, mode: Any, seed: int) -> Any:
+    """Noisy latents ``(B, C, side, side)``, timesteps, conditioning, class labels, and the target noise."""
+    import inspect
+
+    params = set(inspect.signature(model.forward).parameters)
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    b = setup.micro_batch
+    latent = "sample" if "sample" in params else "hidden_states"
+    shapes = {latent: (b, raw.get("in_channels", 4), side, side), **_conditioning(raw, params, b, setup.seq_len)}
+    with mode if mode is not None else contextlib.nullcontext():
+        batch: dict[str, torch.Tensor] = {
+            k: torch.zeros(s, dtype=dtype) if mode is not None else torch.randn(s, generator=gen).to(dtype)
+            for k, s in shapes.items()
+        }
+        steps = torch.zeros(b, dtype=torch.long) if mode is not None else torch.randint(0, 1000, (b,), generator=gen)
+        batch["timestep"] = steps
+        if "class_labels" in params and (raw.get("num_embeds_ada_norm") or raw.get("num_class_embeds")):
+            batch["class_labels"] = torch.zeros(b, dtype=torch.long)
+        out_channels = raw.get("out_channels") or raw.get("in_channels", 4)
+        out = (b, out_channels, side, side)
+        batch["target"] = torch.zeros(out, dtype=dtype) if mode is not None else torch.randn(out, generator=gen)
+    return batch
+
+
+def workload_from_diffusers_config(
+    path: str | Path, setup: Setup, *, latent_size: int | None = None, fake: bool = False, seed: int = 0
+) -> Workload:
+    """One denoising training step of a diffusers model from its local ``config.json`` (no weights read).
+
+    Arguments:
+        path: the model's ``config.json`` (its ``_class_name`` names the class) or a folder holding one.
+        setup: micro-batch, conditioning tokens (``seq_len``), precision recipe and optimizer.
+        latent_size: latent pixels per side (default: the config's ``sample_size``).
+        fake: build under ``FakeTensorMode`` (full size, nothing allocated).
+    """
+    raw = load_config_file(path)
+    cls = _diffusers_class(raw)
+    mode = _fake_mode(fake)
+    side = latent_size or raw.get("sample_size") or 64
+    side = side if isinstance(side, int) else side[0]
+    with _building(mode, getattr(torch, setup.weight_dtype), seed):
+        try:
+            inner = cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"diffusers cannot build {cls.__name__} from {path}: {exc}") from exc
+    batch = _diffusion_batch(inner, raw, setup, side, mode, seed)
+    name = f"{cls.__name__}:{Path(path).stem}"
+    return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
+
+
+def workload_from_timm(
+    name: str, setup: Setup, *, image_size: int | None = None, fake: bool = False, seed: int = 0
+) -> Workload:
+    """One classification training step of a timm model by name, built without pretrained weights.
+
+    The images are ``(B, 3, image_size, image_size)`` (default: the model's own input size), the labels
+    random classes, the loss cross-entropy.
+    """
+    timm = _extra("timm", "timm")
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise InputError(f"timm has no model {name!r}; list them with timm.list_models('pattern*')")
+    mode = _fake_mode(fake)
+    dtype = getattr(torch, setup.weight_dtype)
+    with _building(mode, dtype, seed):
+        kwargs = {"img_size": image_size} if image_size else {}
+        try:
+            inner = timm.create_model(name, pretrained=False, **kwargs).train()
+        except TypeError:  # a convolutional net takes any size and has no img_size argument
+            inner = timm.create_model(name, pretrained=False).train()
+        side = image_size or inner.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+        gen = torch.Generator().manual_seed(seed)
+        shape = (setup.micro_batch, 3, side, side)
+        pixels = torch.zeros(shape, dtype=dtype) if fake else torch.randn(shape, generator=gen).to(dtype)
+        labels = torch.zeros(setup.micro_batch, dtype=torch.long)
+    batch = {"pixel_values": pixels, "labels": labels}
+    return Workload(Classifier(inner), batch, optimizer=optimizer_factory(setup), name=f"timm:{name}")

@@ -1,0 +1,117 @@
+"""Architectures outside the analytic families, built by transformers from local configs: the fake trace of
+each small config equals its real trace (the oracle: the same step run on real tensors), and bad configs
+are one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainledger.analytic import Setup
+from trainledger.cli import main
+from trainledger.errors import InputError
+
+pytest.importorskip("transformers")
+
+from trainledger.anymodel import load_any_config, workload_from_any_config
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+TINY = sorted(FIXTURES.glob("*-tiny.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TINY, ids=lambda p: p.stem)
+def test_fake_trace_equals_real_trace(path):
+    from trainledger.trace import trace
+
+    setup = Setup(micro_batch=2, seq_len=32, recipe="fp32")
+    real = trace(workload_from_any_config(path, setup))
+    fake = trace(workload_from_any_config(path, setup, fake=True), fake=True)
+    assert fake.peak().bytes == real.peak().bytes
+    assert fake.peak().event == real.peak().event
+    assert fake.num_params() == real.num_params()
+    model = workload_from_any_config(path, setup).model
+    assert real.num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("stem", "task", "keys"),
+    [
+        ("bert-tiny", "masked-lm", {"input_ids", "labels"}),
+        ("t5-tiny", "seq2seq", {"input_ids", "decoder_input_ids", "labels"}),
+        ("vit-tiny", "image-classification", {"pixel_values", "labels"}),
+    ],
+)
+def test_task_and_batch_follow_the_architecture(stem, task, keys):
+    cfg = load_any_config(FIXTURES / f"{stem}.json")
+    assert cfg.task == task
+    assert cfg.class_name == json.loads((FIXTURES / f"{stem}.json").read_text())["architectures"][0]
+    w = workload_from_any_config(cfg, Setup(micro_batch=3, seq_len=16), fake=True)
+    assert set(w.batch) == keys
+    assert w.batch["labels"].shape[0] == 3
+
+
+def test_an_image_size_reshapes_the_pixels():
+    w = workload_from_any_config(FIXTURES / "vit-tiny.json", Setup(micro_batch=2, seq_len=16), image_size=48, fake=True)
+    assert tuple(w.batch["pixel_values"].shape) == (2, 3, 48, 48)
+
+
+def test_remote_code_is_refused_and_its_map_ignored_beside_a_known_type(tmp_path):
+    evil = tmp_path / "evil.json"
+    evil.write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoModel": "x--y.Z"}}))
+    with pytest.raises(InputError, match="remote code"):
+        load_any_config(evil)
+    cfg = json.loads((FIXTURES / "bert-tiny.json").read_text())
+    cfg |= {"auto_map": {"AutoModel": "x--y.Z"}, "quantization_config": {"quant_method": "gptq"}}
+    notes = load_any_config(cfg).notes
+    assert [n.split(":")[0] for n in notes] == ["auto_map ignored", "quantization_config ignored"]
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "message"),
+    [
+        ({"model_type": "nosuch"}, [], "unknown architecture"),
+        ({"model_type": "evil", "auto_map": {"AutoModel": "x--y.Z"}}, [], "never runs remote code"),
+        (None, ["--task", "seq2seq"], "no seq2seq model for model_type 'bert'"),
+        (None, ["--seq-len", "4096"], "above the 128 positions"),
+        (None, ["--lora-rank", "4"], "traced plain"),
+    ],
+)
+def test_bad_configs_are_one_line_and_exit_2(tmp_path, capsys, config, flags, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config) if config else (FIXTURES / "bert-tiny.json").read_text())
+    assert main(["trace", "--hf-config", str(path), "--fake", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_estimate_says_only_the_trace_covers_it(capsys):
+    assert main(["estimate", "--hf-config", str(FIXTURES / "bert-tiny.json")]) == 2
+    assert "only the trace covers it" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_diffusers_fake_trace_equals_real_trace():
+    pytest.importorskip("diffusers")
+    from trainledger.anymodel import workload_from_diffusers_config
+    from trainledger.trace import trace
+
+    path = FIXTURES / "sd15-unet-tiny-diffusers.json"
+    setup = Setup(micro_batch=2, seq_len=8, recipe="fp32")
+    real = trace(workload_from_diffusers_config(path, setup))
+    fake = trace(workload_from_diffusers_config(path, setup, fake=True), fake=True)
+    assert fake.peak().bytes == real.peak().bytes
+    assert fake.num_params() == real.num_params()
+
+
+def test_a_missing_or_unusable_extra_is_one_line(capsys):
+    try:
+        import timm  # noqa: F401
+
+        pytest.skip("timm is usable here")
+    except Exception:
+        pass
+    assert main(["trace", "--timm", "resnet50", "--fake"]) == 2
+    assert capsys.readouterr().err.strip().endswith("pip install 'trainledger[timm]'")
