@@ -266,7 +266,8 @@ def _fit(data: dict[str, Any], result: Any) -> None:
         data["summary"] = _summary(LedgerSummary.from_dict(out))
         data["facts"].append("the peak shown is the best configuration's (analytic estimate of rank 0)")
     columns = [("micro-batch", "int"), ("ZeRO", "text"), ("remat", "text"), ("precision", "text")]
-    columns += [("predicted peak", "bytes"), ("free", "bytes"), ("rel. cost", "float"), ("peak in", "text")]
+    peak_col = f"predicted peak ({result.base.device} kernels)"
+    columns += [(peak_col, "bytes"), ("free", "bytes"), ("rel. cost", "float"), ("peak in", "text")]
     data["tables"].append(
         _table(
             "fits (best first; cost per token relative to the best)",
@@ -278,7 +279,7 @@ def _fit(data: dict[str, Any], result: Any) -> None:
         )
     )
     columns = [("micro-batch", "int"), ("ZeRO", "text"), ("remat", "text"), ("precision", "text")]
-    columns += [("predicted peak", "bytes"), ("over by", "bytes"), ("largest at the peak", "text")]
+    columns += [(peak_col, "bytes"), ("over by", "bytes"), ("largest at the peak", "text")]
     data["tables"].append(
         _table(
             "does not fit (smallest overflow first)",
