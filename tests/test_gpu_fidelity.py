@@ -139,3 +139,17 @@ def test_trace_with_a_device_exports_the_predicted_segments(cli, tmp_path):
     summary = _memory_viz.segsum(data)
     assert f"segments: {len(segments)}" in summary
     assert "<html" in _memory_viz.trace_plot(data) and "<html" in _memory_viz.segment_plot(data)
+
+
+def test_a_7b_step_replays_in_under_two_seconds():
+    """The analytic ledger of a Llama-2-7B step (2,856 arrays, 524 events) through the allocator model."""
+    import time
+
+    from trainledger.analytic import estimate
+
+    led = estimate(HF / "llama-2-7b.json", Setup(seq_len=2048)).ledger
+    start = time.perf_counter()
+    pred = predict_reserved(led, kernel_kind="cuda", capacity_bytes=lookup("h200").usable_bytes)
+    elapsed = time.perf_counter() - start
+    assert len(led.entries) > 2000 and elapsed < 2.0, elapsed
+    assert pred.verdict == "oom" and pred.max_allocated_bytes > lookup("h200").usable_bytes  # 161.7 GB > 143 GiB
