@@ -153,3 +153,10 @@ def test_a_7b_step_replays_in_under_two_seconds():
     elapsed = time.perf_counter() - start
     assert len(led.entries) > 2000 and elapsed < 2.0, elapsed
     assert pred.verdict == "oom" and pred.max_allocated_bytes > lookup("h200").usable_bytes  # 161.7 GB > 143 GiB
+
+
+def test_a_device_and_cpu_kernels_contradict(cli):
+    code, _, err = cli(
+        "estimate", "--hf-config", str(HF / "llama-small.json"), "--device", "h100", "--device-kind", "cpu"
+    )
+    assert code == 2 and "--device H100-80GB-SXM runs cuda kernels" in err and err.count("\n") == 1
