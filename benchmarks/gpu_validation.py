@@ -43,6 +43,7 @@ from trainledger.analytic import Setup, estimate
 from trainledger.ledger import Ledger
 from trainledger.workload import Workload
 
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 NOT_RUN = "not run"
 
@@ -323,11 +324,11 @@ def table(rows: list[dict[str, Any]], *, dry: bool) -> str:
     return "\n".join(lines)
 
 
-def _in_fresh_process(name: str, timeout_s: float) -> dict[str, Any]:
+def _in_fresh_process(name: str, timeout_s: float, *, dry: bool = False) -> dict[str, Any]:
     """One workload in its own process, so that each starts with an empty allocator cache."""
-    cmd = [sys.executable, "-m", "benchmarks.gpu_validation", "--one", name]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_validation", "--one", name, *(["--dry"] if dry else [])]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"name": name, "what": CASE_BY_NAME[name].what, "trace_error": f"timed out after {timeout_s:g} s"}
     if done.returncode != 0:
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a worker: one workload, JSON on stdout
     args = p.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_case(CASE_BY_NAME[args.one], dry=False)))
+        print(json.dumps(run_case(CASE_BY_NAME[args.one], dry=args.dry)))
         return 0
     if not args.dry and not torch.cuda.is_available():
         print("skipped: no CUDA device (run with --dry for every part but the GPU's)")

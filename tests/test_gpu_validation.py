@@ -23,6 +23,23 @@ def test_unknown_workload_is_refused(capsys, tmp_path):
     assert exc.value.code == 2 and "accepted: llama-1b-bf16" in capsys.readouterr().err
 
 
+def test_the_gpu_table_compares_predictions_with_the_counters():
+    row = {"name": "w", "what": "a step", "analytic_peak": 3 << 30, "fake_peak": 2 << 30, "fake_reserved": 5 << 29}
+    row.update({"traced_peak": 2 << 30, "traced_reserved": 9 << 28, "max_allocated": 4 << 29, "max_reserved": 3 << 30})
+    (line,) = [ln for ln in kit.table([row], dry=False).splitlines() if ln.startswith("| w:")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # (a) 2 GiB against (c) 2 GiB: +0.0%; (d) from (b) 2.25 GiB against 3 GiB reserved: -25.0%
+    assert cells == ["w: a step", "3.000", "2.000", "2.000", "2.000", "+0.0%", "2.500", "2.250", "3.000", "-25.0%"]
+
+
+@pytest.mark.slow
+def test_one_workload_in_a_fresh_process_as_on_the_gpu():
+    """The worker path the full kit takes (a subprocess per workload, JSON back), dry on the CPU."""
+    row = kit._in_fresh_process("lora", 300, dry=True)
+    assert row["name"] == "lora" and "trace_error" not in row, row
+    assert row["dry_traced_peak"] == row["fake_peak"]
+
+
 @pytest.mark.slow
 def test_dry_mode_runs_every_workload_end_to_end(tmp_path, capsys):
     """Every workload is built small, predicted on fake tensors and replayed by the allocator model; its step

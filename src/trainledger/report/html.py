@@ -265,6 +265,10 @@ def _fit(data: dict[str, Any], result: Any) -> None:
     if "peak" in out:
         data["summary"] = _summary(LedgerSummary.from_dict(out))
         data["facts"].append("the peak shown is the best configuration's (analytic estimate of rank 0)")
+    if result.options.budget_on == "reserved":
+        data["facts"].append(
+            "budget on reserved bytes: free is what the caching allocator's model leaves of the usable memory"
+        )
     columns = [("micro-batch", "int"), ("ZeRO", "text"), ("remat", "text"), ("precision", "text")]
     peak_col = f"predicted peak ({result.base.device} kernels)"
     columns += [(peak_col, "bytes"), ("free", "bytes"), ("rel. cost", "float"), ("peak in", "text")]
@@ -273,7 +277,7 @@ def _fit(data: dict[str, Any], result: Any) -> None:
             "fits (best first; cost per token relative to the best)",
             columns,
             [
-                (*_setting(c), c.peak_bytes, usable - c.peak_bytes, c.relative_cost, c.peak_phase)
+                (*_setting(c), c.peak_bytes, usable - (c.reserved_bytes or c.peak_bytes), c.relative_cost, c.peak_phase)
                 for c in result.fitting
             ],
         )
