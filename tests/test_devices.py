@@ -28,12 +28,19 @@ def test_lookup_by_alias(name, canonical):
     assert lookup(name).name == canonical
 
 
-def test_unknown_device_names_the_accepted_ones():
+def test_unknown_device_names_close_ones():
     with pytest.raises(InputError) as exc:
-        lookup("b300")
+        lookup("a100-81gb")
     message = str(exc.value)
-    assert "'b300'" in message
-    for name in ("h100", "a100-40gb", "rtx-3090", "l4", "a10g"):
+    assert "'a100-81gb'" in message and "\n" not in message
+    assert "close names: a100-80gb" in message
+
+
+def test_unknown_device_like_none_lists_every_device():
+    with pytest.raises(InputError) as exc:
+        lookup("zzzz")
+    message = str(exc.value)
+    for name in ("h100-80gb-sxm", "a100-40gb", "rtx-3090", "l4", "a10g"):
         assert name in message
 
 

@@ -336,7 +336,7 @@ def test_perfetto_counters_slices_and_peak(tmp_path):
     assert totals[led.num_events] == HAND_AFTER_STEP
     (peak,) = [e for e in events if e["ph"] == "i"]
     assert peak["ts"] == 3 and peak["args"]["bytes"] == HAND_PEAK
-    assert peak["name"] == "peak 37.91 KiB at aten.nll_loss in (root) (forward)"
+    assert peak["name"] == "peak 37.91 KiB at aten.nll_loss in (root) (forward; cpu kernels)"
     assert data["otherData"]["peak"]["bytes"] == HAND_PEAK
 
 
@@ -478,7 +478,7 @@ def test_plot_content_matches_the_ledger():
     (ax,) = timeline_figure(led).axes
     assert ax.get_ylabel() == "live memory (KiB, 1 KiB = 2^10 bytes)"
     texts = [t.get_text() for t in ax.texts]
-    assert "peak 37.91 KiB at aten.nll_loss in (root) (forward)" in texts
+    assert "peak 37.91 KiB at aten.nll_loss in (root) (forward; cpu kernels)" in texts
     assert {"forward", "backward", "optimizer"} <= set(texts)
     handles, labels = ax.get_legend_handles_labels()
     present = [c.value for c in Category if any(led.timeline()[c.value])]
@@ -528,7 +528,7 @@ def test_plot_of_an_untraced_ledger(tmp_path):
     assert ax.get_title(loc="left") == "training state (evidence: inventoried, cpu)"
     analytic = Ledger((w,), (Event(0, "forward"), Event(1, "backward")), evidence=Evidence.ANALYTIC)
     analytic_texts = [t.get_text() for t in timeline_figure(analytic).axes[0].texts]
-    assert "estimated peak 3.00 GiB (forward; analytic)" in analytic_texts
+    assert "estimated peak 3.00 GiB (forward; analytic, cpu kernels)" in analytic_texts
     # An empty ledger still draws (no legend, nothing stacked) instead of failing.
     assert _png_size(plot_timeline(Ledger(()), tmp_path / "empty.png").read_bytes()) == (1440, 720)
 

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,11 +85,33 @@ class Device:
         return self.total_bytes - self.context_bytes
 
     @property
+    def kernel_kind(self) -> KernelKind:
+        """Whose kernels a step on this device runs: PyTorch's CUDA kernels (on AMD, their HIP builds, which
+        PyTorch exposes as ``cuda``)."""
+        return "cuda"
+
+    @property
     def flash_attention(self) -> bool:
         """Whether PyTorch's flash SDPA kernel runs here: NVIDIA sm80 and later; on ROCm, CDNA2/3 (AOTriton)."""
         if self.vendor == "amd":
             return self.arch in ("gfx90a", "gfx942")
         return self.compute_capability is not None and self.compute_capability >= (8, 0)
+
+
+KernelKind = Literal["cpu", "cuda"]
+
+
+def kernel_kind(device: str) -> KernelKind:
+    """Whose kernels a ledger on ``device`` assumes: ``cuda`` for ``cuda``/``cuda:N`` (ROCm included), else ``cpu``.
+
+    What a kernel saves for backward and allocates as workspace differs between the two (SDPA backends,
+    fused optimizers, autocast's op lists), so a peak is stated with the kernel kind it assumes.
+
+    Example:
+        >>> kernel_kind("cuda:1"), kernel_kind("cpu")
+        ('cuda', 'cpu')
+    """
+    return "cuda" if device.split(":")[0] == "cuda" else "cpu"
 
 
 def _gb(n: int) -> int:
@@ -280,12 +303,17 @@ def lookup(name: str) -> Device:
     Example:
         >>> lookup("RTX 4090").compute_capability
         (8, 9)
-        >>> lookup("b300")  # doctest: +ELLIPSIS
+        >>> lookup("h100-80")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        trainledger.errors.InputError: unknown device 'b300'; accepted: 3090, 4090, a100, ...
+        trainledger.errors.InputError: unknown device 'h100-80'; close names: h100-80gb, a100-80gb, h100 (every ...
     """
     device = _BY_NAME.get(_key(name))
     if device is None:
-        raise InputError(f"unknown device {name!r}; accepted: {', '.join(device_names())}")
+        close = difflib.get_close_matches(_key(name), device_names(), n=3, cutoff=0.5)
+        if not close:  # nothing alike: the canonical names
+            close = [_key(d.name) for d in DEVICES]
+        raise InputError(
+            f"unknown device {name!r}; close names: {', '.join(close)} (every name: trainledger.devices.device_names())"
+        )
     return device

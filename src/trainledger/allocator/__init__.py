@@ -51,6 +51,7 @@ Example:
 
 from trainledger.allocator._config import AllocatorConfig
 from trainledger.allocator._engine import AllocatorOutOfMemory, CachingAllocatorModel
+from trainledger.allocator._prediction import ReservedPrediction, Verdict, predict_reserved
 from trainledger.allocator._replay import replay
 from trainledger.allocator._results import (
     AllocatorReplay,
@@ -88,8 +89,11 @@ __all__ = [
     "OOMEvent",
     "PeakState",
     "ReservedChange",
+    "ReservedPrediction",
     "SegmentInfo",
+    "Verdict",
     "allocation_size",
+    "predict_reserved",
     "replay",
     "round_size",
 ]

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainledger.allocator import ReservedPrediction
 from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._config import arch_from_config, load_config_file
 from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
@@ -32,6 +33,8 @@ class EstimateResult:
     num_params: int
     num_trainable_params: int
     saved_bytes_per_layer: int
+    reserved: ReservedPrediction | None = None
+    """The caching allocator model's prediction for this ledger (``estimate --device``/``--allocator``)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = self.ledger.to_dict(entries=False)
@@ -46,6 +49,9 @@ class EstimateResult:
         out["stage"] = self.stage
         out["setup"] = setup_to_dict(self.setup)
         out["by_category"] = {k[0]: v for k, v in self.ledger.bytes_by("category").items()}
+        out["kernel_kind"] = self.setup.device
+        if self.reserved is not None:
+            out["allocator"] = self.reserved.to_dict()
         return out
 
     @classmethod
@@ -58,7 +64,12 @@ class EstimateResult:
         """
         spec = ArchSpec(**data["spec"])
         result = _estimate(spec, setup_from_dict(data["setup"]), int(data["world"]), str(data["stage"]))
-        result = replace(result, source=str(data["source"]))
+        reserved = data.get("allocator")
+        result = replace(
+            result,
+            source=str(data["source"]),
+            reserved=ReservedPrediction.from_dict(reserved) if reserved is not None else None,
+        )
         saved, now = int(data["peak"]["bytes"]), result.ledger.peak().bytes
         if saved != now:
             raise InputError(

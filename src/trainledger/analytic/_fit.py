@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from trainledger.allocator import predict_reserved
 from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._config import arch_from_config
 from trainledger.analytic._model import analytic_ledger, compact, step_flops
@@ -41,6 +42,10 @@ class FitOptions:
     """Per-rank data-parallel bandwidth (10^9 bit/s), for the exposed communication."""
     reserve_bytes: int = 0
     """Memory kept free on the device (allocator caching, CUDA context, fragmentation)."""
+    budget_on: Literal["allocated", "reserved"] = "allocated"
+    """What must fit the usable memory: the ledger's peak (``allocated``), or what PyTorch's caching allocator
+    would reserve for it (``reserved``: the step replayed through :mod:`trainledger.allocator`; a configuration
+    fits when no allocation fails there, cache flushes and retries included)."""
 
     def __post_init__(self) -> None:
         whole_number(self.device_memory, "device memory (bytes)", limit=MAX_BYTES)
@@ -66,6 +71,7 @@ class FitOptions:
             whole_number(mb, "micro-batch (sequences)", limit=MAX_MICRO_BATCH)
         positive_number(self.tflops, "throughput", unit="TFLOP/s")
         positive_number(self.link_gbps, "link bandwidth", unit="gigabits per second")
+        one_of(self.budget_on, "budget on", ("allocated", "reserved"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,8 @@ class Candidate:
     relative_cost: float | None = None
     """Step time per token relative to the best configuration that fits (1.0 = best); ``None`` for one
     that does not fit (nothing to compare it with)."""
+    reserved_bytes: int | None = None
+    """Predicted ``max_memory_reserved`` (``budget_on="reserved"``); ``None``: not predicted."""
 
     @property
     def largest_at_peak(self) -> tuple[str, int]:
@@ -112,6 +120,7 @@ class Candidate:
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "seconds_per_token": self.seconds_per_token,
             "relative_cost": self.relative_cost,
+            "reserved_bytes": self.reserved_bytes,
             "largest_at_peak": {"name": self.largest_entry[0], "bytes": self.largest_entry[1]},
         }
 
@@ -256,6 +265,11 @@ def _candidate(spec: ArchSpec, setup: Setup, stage: str, options: FitOptions) ->
     compute, recompute, exposed = _step_seconds(spec, setup, options, collectives)
     top = max(rank0.live_at(pk.event), key=lambda e: e.nbytes)
     usable = options.device_memory - options.reserve_bytes
+    fits, need, reserved = pk.bytes <= usable, pk.bytes, None
+    if options.budget_on == "reserved":
+        pred = predict_reserved(rank0, kernel_kind=setup.device, capacity_bytes=usable)
+        fits, need = bool(pred.fits), pred.max_reserved_bytes
+        reserved = pred.reserved_under_limit_bytes if fits else need
     return Candidate(
         micro_batch=setup.micro_batch,
         stage=stage,
@@ -264,13 +278,14 @@ def _candidate(spec: ArchSpec, setup: Setup, stage: str, options: FitOptions) ->
         peak_bytes=pk.bytes,
         peak_phase=pk.phase,
         by_category=dict(pk.by_category),
-        fits=pk.bytes <= usable,
-        overflow_bytes=max(0, pk.bytes - usable),
+        fits=fits,
+        overflow_bytes=0 if fits else max(0, need - usable),
         compute_seconds=compute,
         recompute_seconds=recompute,
         exposed_comm_seconds=exposed,
         seconds_per_token=(compute + recompute + exposed) / (setup.micro_batch * setup.seq_len),
         largest_entry=(top.name, top.nbytes),
+        reserved_bytes=reserved,
     )
 
 
@@ -300,4 +315,4 @@ def _best_first(fitting: list[Candidate]) -> tuple[Candidate, ...]:
     best = min((c.seconds_per_token for c in fitting), default=None)
     if best:
         fitting = [replace(c, relative_cost=c.seconds_per_token / best) for c in fitting]
-    return tuple(sorted(fitting, key=lambda c: (c.relative_cost, c.peak_bytes)))
+    return tuple(sorted(fitting, key=lambda c: (c.relative_cost, c.reserved_bytes or c.peak_bytes)))

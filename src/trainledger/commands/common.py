@@ -80,7 +80,7 @@ def print_json(obj: dict[str, Any]) -> None:
     sys.stdout.write("\n")
 
 
-def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse ``type=`` from a parser raising :class:`InputError`: its message becomes argparse's one line."""
 
     def parse_arg(text: str) -> Any:
@@ -93,9 +93,9 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_arg
 
 
-count_arg = _argparse_type(parse_count)
+count_arg = argparse_type(parse_count)
 """A positive count (``1e9``, ``7B``), parsed exactly."""
-size_arg = _argparse_type(parse_size)
+size_arg = argparse_type(parse_size)
 """A size (``12GB``, ``11.2GiB``, bytes)."""
 
 _NUMBER = re.compile(r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$")
@@ -116,7 +116,7 @@ def positive_int(*, minimum: int = 1) -> Callable[[str], int]:
             raise InputError(f"{shown} is far too large for a count here; give a whole number such as 8")
         return int(value)
 
-    return _argparse_type(whole)
+    return argparse_type(whole)
 
 
 def positive_float(text: str) -> float:

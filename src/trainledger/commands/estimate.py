@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -18,7 +19,9 @@ from trainledger.analytic import (
     estimate,
     load_config_file,
 )
+from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
 from trainledger.commands.common import add_json_flag, emit, positive_int
+from trainledger.devices import Device
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
     UNITS_NOTE,
@@ -107,11 +110,12 @@ def add_setup_flags(p: argparse.ArgumentParser, *, micro_batch: bool = True, dty
     p.add_argument("--pipeline-parallel", type=positive_int(), default=1, help="1F1B stages (default 1)")
     p.add_argument(
         "--device-kind",
-        default="cuda",
+        default=None,
         choices=("cuda", "cpu"),
         metavar="KIND",
         help="whose kernels: cuda (default) or cpu (to compare with a trace on this machine)",
     )
+    add_device_flags(p)
     p.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
 
 
@@ -123,6 +127,18 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         )
 
 
+def kernel_kind_of(args: argparse.Namespace) -> str:
+    """``--device-kind``, or ``cuda`` (its default, and a ``--device``'s kernels)."""
+    kind = getattr(args, "device_kind", None)
+    device = getattr(args, "device", None)
+    if device is not None and kind not in (None, device.kernel_kind):
+        raise InputError(
+            f"--device {device.name} runs {device.kernel_kind} kernels, --device-kind {kind} assumes others: "
+            "drop one of them"
+        )
+    return kind or "cuda"
+
+
 def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
     """The :class:`Setup` the step flags describe (a flag a command does not have takes its default)."""
     targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
@@ -132,7 +148,7 @@ def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
         recipe=args.dtype,
         optimizer=args.optimizer,
         attn_impl=args.attn,
-        device=getattr(args, "device_kind", "cuda"),
+        device=kernel_kind_of(args),
         remat=getattr(args, "remat", "none"),
         remat_every=getattr(args, "remat_every", None) or 1,
         lora_rank=args.lora_rank,
@@ -184,17 +200,21 @@ def compute(args: argparse.Namespace) -> EstimateResult:
     check_lora_flags(args)
     if args.remat_every is not None and args.remat != "full":
         raise InputError(f"--remat-every {args.remat_every} applies with --remat full; add it or drop --remat-every")
-    return estimate(args.hf_config, setup_from(args), world=args.world, stage=args.stage)
+    result = estimate(args.hf_config, setup_from(args), world=args.world, stage=args.stage)
+    return replace(result, reserved=Target.of(args).predict(result.ledger, kernel_kind=result.setup.device))
 
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    return emit(result, render, as_json=args.json)
+    device = args.device
+    return emit(result, lambda r, console: render(r, console, device=device), as_json=args.json)
 
 
-def render(result: EstimateResult, console: Console) -> None:
+def render(result: EstimateResult, console: Console, *, device: Device | None = None) -> None:
     led, s = result.ledger, result.setup
     pk = led.peak()
+    kinds = f"kernels: {s.device} (--device-kind: cuda by default, cpu to compare with a trace on this machine)"
+    first = [kinds] + ([device_line(device)] if device is not None else [])
     title = (
         f"{result.spec.family} from {result.source}: micro-batch {s.micro_batch} × {s.seq_len} tokens, {s.recipe}, "
         f"{s.optimizer}, {s.attn_impl}, remat {s.remat}"
@@ -206,10 +226,12 @@ def render(result: EstimateResult, console: Console) -> None:
         f"activations saved per layer {per_layer:,} bytes ({both_units(per_layer)})",
         "an analytic peak is an estimate; `trainledger trace --hf-config ... --fake` traces the real step at full size",
     ]
-    print_renderables(
+    items: list[object] = [
+        Text("\n".join(first)),
         category_table(led, title=title),
-        peak_text(pk, evidence=str(led.evidence), maxima=led.category_maxima(), single_instant=False),
+        peak_text(pk, evidence=str(led.evidence), maxima=led.category_maxima(), single_instant=False, kernels=s.device),
         Text("\n".join(facts)),
-        notes_text([*led.notes, UNITS_NOTE]),
-        console=console,
-    )
+    ]
+    if result.reserved is not None:
+        items.append(reserved_text(result.reserved, device))
+    print_renderables(*items, notes_text([*led.notes, UNITS_NOTE]), console=console)

@@ -8,9 +8,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainledger.allocator import AllocatorConfig
 from trainledger.analytic import RECIPES, FitOptions, FitResult, Setup, fit
+from trainledger.commands._gpu import device_line
 from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
 from trainledger.commands.estimate import add_setup_flags, check_analytic_family, check_lora_flags, setup_from
+from trainledger.devices import Device
 from trainledger.errors import InputError
 from trainledger.report.terminal import UNITS_NOTE, both_units, notes_text, print_renderables
 from trainledger.units import format_bytes
@@ -28,7 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_setup_flags(
         p, micro_batch=False, dtype_help="search this one recipe: bf16-master, bf16 or fp32 (default: --recipes)"
     )
-    p.add_argument("--device-memory", type=size_arg, required=True, help="e.g. 80GiB, 24GB")
+    p.add_argument("--device-memory", type=size_arg, default=None, help="e.g. 80GiB, 24GB (or --device NAME)")
+    p.add_argument(
+        "--budget-on",
+        default=None,
+        choices=("allocated", "reserved"),
+        help="what must fit: the peak of allocated bytes, or the caching allocator's predicted reserved bytes "
+        "(default reserved with --device or --allocator, else allocated)",
+    )
     p.add_argument("--reserve", type=size_arg, default=None, help="memory kept free (default none)")
     p.add_argument("--micro-batches", default="1,2,4,8,16,32", help="micro-batch sizes to try (default 1,2,4,8,16,32)")
     p.add_argument(
@@ -64,7 +74,8 @@ def compute(args: argparse.Namespace) -> FitResult:
         raise InputError(f"--recipes {text!r} names no recipe; accepted: {', '.join(RECIPES)}")
     base: Setup = setup_from(args, micro_batch=1, recipe=recipes[0])
     options = FitOptions(
-        device_memory=args.device_memory,
+        device_memory=_device_memory(args),
+        budget_on=args.budget_on or ("reserved" if args.device or args.allocator else "allocated"),
         world=args.world,
         micro_batches=mbs,
         recipes=recipes,
@@ -76,26 +87,46 @@ def compute(args: argparse.Namespace) -> FitResult:
     return fit(args.hf_config, options, base)
 
 
+def _device_memory(args: argparse.Namespace) -> int:
+    """``--device-memory``, or the usable memory of ``--device`` (one of the two)."""
+    if args.allocator not in (None, AllocatorConfig()):
+        raise InputError("fit replays with PyTorch's default allocator options: give --allocator without options")
+    if args.device is not None and args.device_memory is not None:
+        raise InputError(
+            f"give --device {args.device.name} (its usable memory) or --device-memory {args.device_memory:,}, not both"
+        )
+    if args.device is None and args.device_memory is None:
+        raise InputError("give the memory to fit: --device NAME (e.g. h100-80gb) or --device-memory SIZE (e.g. 80GiB)")
+    return args.device.usable_bytes if args.device is not None else args.device_memory
+
+
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    return emit(result, lambda r, console: render(r, console, top=args.top), as_json=args.json)
+    device = args.device
+    return emit(result, lambda r, console: render(r, console, top=args.top, device=device), as_json=args.json)
 
 
 def _gib(n: int) -> str:
     return format_bytes(n)
 
 
-def render(result: FitResult, console: Console, *, top: int = 12) -> None:
+def render(result: FitResult, console: Console, *, top: int = 12, device: Device | None = None) -> None:
     o, b = result.options, result.base
     usable = o.device_memory - o.reserve_bytes
+    on_reserved = o.budget_on == "reserved"
     head = Text(
-        f"{result.source}: {result.num_params:,} parameters, {b.seq_len} tokens per sequence, {b.optimizer}, "
+        f"kernels: {b.device}; budget on {o.budget_on} bytes\n"
+        + (device_line(device) + "\n" if device is not None else "")
+        + f"{result.source}: {result.num_params:,} parameters, {b.seq_len} tokens per sequence, {b.optimizer}, "
         f"{b.attn_impl}, {o.world} data-parallel rank(s), {both_units(usable)} usable per device"
     )
     fits = Table(title="fits (best first; cost per token relative to the best)", title_justify="left")
-    for col in ("#", "micro-batch", "ZeRO", "remat", "precision", "predicted peak", "free", "rel. cost", "peak in"):
+    peak_col = f"predicted peak ({b.device} kernels)"
+    cols = ["#", "micro-batch", "ZeRO", "remat", "precision", peak_col, *(["reserved"] if on_reserved else [])]
+    for col in (*cols, "free", "rel. cost", "peak in"):
         fits.add_column(col, justify="right" if col not in ("ZeRO", "remat", "precision", "peak in") else "left")
     for i, c in enumerate(result.fitting[:top], 1):
+        budget = c.reserved_bytes if c.reserved_bytes is not None else c.peak_bytes
         fits.add_row(
             str(i),
             str(c.micro_batch),
@@ -103,7 +134,8 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
             c.remat,
             c.recipe,
             _gib(c.peak_bytes),
-            _gib(usable - c.peak_bytes),
+            *([_gib(budget)] if on_reserved else []),
+            _gib(usable - budget),
             f"{c.relative_cost:.2f}",
             c.peak_phase,
         )
@@ -116,8 +148,9 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
     else:
         items.append(Text("nothing fits: see what overflows below", style="bold red"))
     over = Table(title="does not fit (smallest overflow first)", title_justify="left")
-    for col in ("micro-batch", "ZeRO", "remat", "precision", "predicted peak", "over by", "largest at the peak"):
-        over.add_column(col, justify="right" if col in ("micro-batch", "predicted peak", "over by") else "left")
+    numeric = ("micro-batch", peak_col, "reserved", "over by")
+    for col in ("micro-batch", "ZeRO", "remat", "precision", *cols[5:], "over by", "largest at the peak"):
+        over.add_column(col, justify="right" if col in numeric else "left")
     for c in result.overflowing[:top]:
         cat, nbytes = c.largest_at_peak
         over.add_row(
@@ -126,6 +159,7 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
             c.remat,
             c.recipe,
             _gib(c.peak_bytes),
+            *([_gib(c.reserved_bytes or 0)] if on_reserved else []),
             _gib(c.overflow_bytes),
             f"{cat} {_gib(nbytes)} in {c.peak_phase}; largest {c.largest_entry[0]} {_gib(c.largest_entry[1])}",
         )
@@ -137,7 +171,13 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
                 "peaks are analytic estimates of rank 0 (evidence analytic); cost = compute + recompute + exposed "
                 f"communication at {o.tflops:g} TFLOP/s and {o.link_gbps:g} Gbit/s; a micro-batch is listed "
                 "as overflowing once, the larger ones are not tried",
-                "allocator rounding and fragmentation are not modelled: keep some headroom (--reserve)",
+                (
+                    "reserved = what PyTorch's caching allocator would hold (its model replaying each ledger, "
+                    "evidence analytic): rounding, segments and fragmentation included"
+                    if on_reserved
+                    else "allocator rounding and fragmentation are not counted: --budget-on reserved "
+                    "(or --device NAME) replays each configuration through the caching allocator's model"
+                ),
                 UNITS_NOTE,
             ]
         )

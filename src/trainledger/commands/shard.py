@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainledger.commands import state as state_cmd
+from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
 from trainledger.commands.common import (
     add_json_flag,
     add_model_flag,
@@ -19,6 +20,7 @@ from trainledger.commands.common import (
     positive_int,
     print_json,
 )
+from trainledger.devices import Device, kernel_kind
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
     UNITS_NOTE,
@@ -92,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --run: gloo on CPU (default) or nccl, one GPU a rank",
     )
+    add_device_flags(p)
     state_cmd.add_spec_flags(p.add_argument_group("a declared format instead of a model (as `trainledger state`)"))
     add_json_flag(p)
     p.set_defaults(run=run)
@@ -149,7 +152,8 @@ def compute(args: argparse.Namespace) -> ShardReport:
         ledger, source, engine = result.ledger, result.source, args.engine or "deepspeed"
     else:
         raise InputError("give --model NAME|file.py:factory, or --params N with the formats (see --help)")
-    results, times = [], []
+    results, times, reserved = [], [], []
+    target = Target.of(args)
     for strategy in stages:
         config = ShardConfig(
             world_size=args.world,
@@ -161,22 +165,25 @@ def compute(args: argparse.Namespace) -> ShardReport:
         )
         res = shard(ledger, config)
         results.append(res.summary())
+        rank0 = res.ranks[0]
+        reserved.append(target.predict(rank0, kernel_kind=kernel_kind(rank0.device)))
         times.append(
             estimate_time(res.collectives, link_gbps=args.link_gbps, compute_seconds=compute_seconds)
             if args.link_gbps is not None and res.collectives
             else None
         )
-    return ShardReport(source, tuple(results), tuple(times))
+    return ShardReport(source, tuple(results), tuple(times), tuple(reserved) if target.allocator else ())
 
 
 def run(args: argparse.Namespace) -> int:
     if args.run_ranks:
         return _run_for_real(args)
-    return emit(compute(args), render, as_json=args.json)
+    device = args.device
+    return emit(compute(args), lambda r, console: render(r, console, device=device), as_json=args.json)
 
 
-def render(report: ShardReport, console: Console) -> None:
-    items: list[Any] = []
+def render(report: ShardReport, console: Console, *, device: Device | None = None) -> None:
+    items: list[Any] = [Text(device_line(device))] if device is not None else []
     if len(report.results) > 1:
         items.append(_stages_table(report))
     else:
@@ -190,6 +197,9 @@ def render(report: ShardReport, console: Console) -> None:
         )
         items.append(ranks_text(res))
     items.append(collectives_table(report.results[-1], report.times[-1]))
+    for res, pred in zip(report.results, report.reserved, strict=False):
+        if pred is not None:
+            items += [Text(f"{res.label}, rank 0:"), reserved_text(pred, device)]
     notes = []
     for r in report.results:
         notes += [n for n in r.notes if n not in notes]
@@ -242,7 +252,8 @@ def ranks_text(res: ShardSummary) -> Text:
         who = f"rank {first}" if count == 1 else f"ranks {first:,}-{last:,} ({count:,} ranks, identical)"
         if count > 1 and last - first + 1 != count:
             who = f"ranks {first:,}-{last:,} of each shard group ({count:,} ranks, identical)"
-        lines.append(f"{who}: {what} {pk.bytes:,} bytes ({both_units(pk.bytes)}){where}")
+        kinds = "" if single else f" ({kernel_kind(res.rank0.device)} kernels)"
+        lines.append(f"{who}: {what} {pk.bytes:,} bytes ({both_units(pk.bytes)}){kinds}{where}")
     if len(res.ranks) > 8:
         largest = max(rank.peak.bytes for rank in res.ranks)
         lines.append(f"… {len(res.ranks) - 8} more classes of ranks (largest {largest:,} bytes)")

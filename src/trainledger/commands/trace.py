@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from trainledger.analytic import FAMILIES, load_config_file
+from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
 from trainledger.commands._stacked import trace_hf_stacked
 from trainledger.commands.common import (
     add_json_flag,
@@ -22,6 +23,7 @@ from trainledger.commands.common import (
     print_json,
 )
 from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
+from trainledger.devices import kernel_kind
 from trainledger.errors import InputError
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
 from trainledger.report.terminal import (
@@ -88,6 +90,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --hf-config and --fake: trace every layer, not 3 and 4 layers extended to the full depth",
     )
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
+    add_device_flags(p)
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png or .svg)")
     p.add_argument("--export-memory-viz", metavar="FILE", help="write a PyTorch memory snapshot (.pickle)")
     p.add_argument("--export-perfetto", metavar="FILE", help="write a Chrome/Perfetto trace (.json)")
@@ -197,35 +200,45 @@ def run(args: argparse.Namespace) -> int:
         from trainledger.shard import shard
 
         sharded = shard(ledger, world_size=args.world, strategy=strategy).summary()
-    written = list(write_exports(ledger, outputs).values())
+    target = Target.of(args)
+    reserved = target.predict(ledger, kernel_kind=kernel_kind(ledger.device))
+    segments = reserved.segments if reserved is not None else ()
+    written = list(write_exports(ledger, outputs, predicted_segments=segments).values())
     report = TraceReport.of(
         ledger,
         num_params=num_params,
         measured=measurement.summary() if measurement is not None else None,
         sharded=sharded,
+        reserved=reserved,
     )
     if args.json:
         out = report.to_dict()
         out["written"] = [str(p) for p in written]
         print_json(out)
         return 0
-    render(report, make_console(), written=written)
+    render(report, make_console(), written=written, target=target)
     return 0
 
 
-def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()) -> None:
+def render(report: TraceReport, console: Console, *, written: Sequence[str] = (), target: Target | None = None) -> None:
     """Print a traced step: the peak, the breakdown at that instant, the largest arrays live then."""
     led = report.ledger
     pk = led.peak
     over = led.sum_of_category_maxima - pk.bytes
     phases = ", ".join(f"{k} {v}" for k, v in led.meta.get("events_per_phase", {}).items())
+    kinds = report.kernel_kind
     lines = [
         f"model {led.meta.get('model') or '?'}{' (fake tensors)' if led.meta.get('fake') else ''}: "
-        f"{led.num_events:,} events ({phases}), {report.num_entries:,} storages"
+        f"{led.num_events:,} events ({phases}), {report.num_entries:,} storages",
+        f"kernels: {kinds} (traced on {led.device}; a CUDA step's kernels save and allocate differently: "
+        "SDPA backend, fused optimizers, autocast's op lists, cuBLAS workspace)",
     ]
+    device = target.device if target is not None else None
+    if device is not None:
+        lines.append(device_line(device))
     items: list[Any] = [
         Text("\n".join(lines)),
-        peak_text(pk, evidence=str(led.evidence), maxima=led.category_maxima, single_instant=False),
+        peak_text(pk, evidence=str(led.evidence), maxima=led.category_maxima, single_instant=False, kernels=kinds),
         peak_table(led),
         Text(
             f"summing category maxima would claim {led.sum_of_category_maxima:,} bytes: "
@@ -233,6 +246,8 @@ def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()
         ),
         largest_live_table(report.largest_live, pk.event),
     ]
+    if report.reserved is not None:
+        items.append(reserved_text(report.reserved, device))
     m = report.measured
     if m is not None:
         items.append(

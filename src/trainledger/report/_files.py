@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainledger.devices import kernel_kind
 from trainledger.errors import InputError
 from trainledger.ledger import Entry, Evidence, Ledger, LedgerSummary
 
@@ -148,10 +149,11 @@ def peak_label(ledger: Ledger | LedgerSummary, size: str) -> str:
     where = f" at {pk.op}" if pk.op else ""
     if pk.module:
         where += f" in {pk.module}"
+    kinds = f"{kernel_kind(summary.device)} kernels"
     if summary.evidence in (Evidence.TRACED, Evidence.MEASURED):
-        return f"peak {size}{where} ({pk.phase})"
+        return f"peak {size}{where} ({pk.phase}; {kinds})"
     if summary.evidence == Evidence.ANALYTIC:
-        return f"estimated peak {size}{where} ({pk.phase}; analytic)"
+        return f"estimated peak {size}{where} ({pk.phase}; analytic, {kinds})"
     return f"total {size} ({summary.evidence} state; not a peak: activations and workspace need a trace)"
 
 

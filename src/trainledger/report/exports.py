@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trainledger.allocator import SegmentInfo
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.report._files import (
@@ -172,8 +173,12 @@ def check_export_paths(
     return ExportPaths(**checked, protect=protected)
 
 
-def write_exports(ledger: Ledger, paths: ExportPaths) -> dict[str, str]:
+def write_exports(
+    ledger: Ledger, paths: ExportPaths, *, predicted_segments: Sequence[SegmentInfo] = ()
+) -> dict[str, str]:
     """Write every export requested in ``paths``; returns ``{kind: path written}`` (for a command's JSON).
+
+    ``predicted_segments``: the caching allocator model's segments at the peak, for the memory_viz snapshot.
 
     Example:
         >>> from trainledger.ledger import Ledger
@@ -190,4 +195,8 @@ def write_exports(ledger: Ledger, paths: ExportPaths) -> dict[str, str]:
         "ledger_json": write_ledger_json,
         "html": write_html,
     }
-    return {kind: str(writers[kind](ledger, path, protect=paths.protect)) for kind, path in paths.requested().items()}
+    written = {}
+    for kind, path in paths.requested().items():
+        extra = {"predicted_segments": predicted_segments} if kind == "memory_viz" else {}
+        written[kind] = str(writers[kind](ledger, path, protect=paths.protect, **extra))
+    return written

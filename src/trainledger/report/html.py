@@ -265,20 +265,25 @@ def _fit(data: dict[str, Any], result: Any) -> None:
     if "peak" in out:
         data["summary"] = _summary(LedgerSummary.from_dict(out))
         data["facts"].append("the peak shown is the best configuration's (analytic estimate of rank 0)")
+    if result.options.budget_on == "reserved":
+        data["facts"].append(
+            "budget on reserved bytes: free is what the caching allocator's model leaves of the usable memory"
+        )
     columns = [("micro-batch", "int"), ("ZeRO", "text"), ("remat", "text"), ("precision", "text")]
-    columns += [("predicted peak", "bytes"), ("free", "bytes"), ("rel. cost", "float"), ("peak in", "text")]
+    peak_col = f"predicted peak ({result.base.device} kernels)"
+    columns += [(peak_col, "bytes"), ("free", "bytes"), ("rel. cost", "float"), ("peak in", "text")]
     data["tables"].append(
         _table(
             "fits (best first; cost per token relative to the best)",
             columns,
             [
-                (*_setting(c), c.peak_bytes, usable - c.peak_bytes, c.relative_cost, c.peak_phase)
+                (*_setting(c), c.peak_bytes, usable - (c.reserved_bytes or c.peak_bytes), c.relative_cost, c.peak_phase)
                 for c in result.fitting
             ],
         )
     )
     columns = [("micro-batch", "int"), ("ZeRO", "text"), ("remat", "text"), ("precision", "text")]
-    columns += [("predicted peak", "bytes"), ("over by", "bytes"), ("largest at the peak", "text")]
+    columns += [(peak_col, "bytes"), ("over by", "bytes"), ("largest at the peak", "text")]
     data["tables"].append(
         _table(
             "does not fit (smallest overflow first)",

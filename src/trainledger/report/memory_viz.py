@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainledger.allocator import SegmentInfo
 from trainledger.ledger import CATEGORY_ORDER, Entry, Event, Ledger
 from trainledger.report._files import (
     MEMORY_VIZ_SUFFIXES,
@@ -33,6 +34,8 @@ ALIGN_BYTES = 512
 BASE_ADDRESS = 0x7F00_0000_0000
 # memory_viz's unpickler (``unpickle`` in torch/utils/viz/MemoryViz.js) accepts protocols 2 to 4.
 PICKLE_PROTOCOL = 4
+# Where the allocator model's predicted segments start: apart from the trace's synthetic addresses.
+PREDICTED_BASE_ADDRESS = 0x7E00_0000_0000
 # The site of entries that existed before the step.
 _BEFORE = "<before the step>"
 
@@ -102,7 +105,7 @@ def _device_index(device: str) -> int:
     return int(idx) if head in ("cuda", "xpu", "mtia", "hip") and idx.isdigit() else 0
 
 
-def to_memory_viz_snapshot(ledger: Ledger) -> dict[str, Any]:
+def to_memory_viz_snapshot(ledger: Ledger, predicted_segments: Sequence[SegmentInfo] = ()) -> dict[str, Any]:
     """The ledger as a ``torch.cuda.memory._snapshot()`` dictionary, for https://pytorch.org/memory_viz.
 
     Each entry is one ``alloc`` and (if freed) one ``free_requested`` + ``free_completed`` pair in
@@ -115,6 +118,12 @@ def to_memory_viz_snapshot(ledger: Ledger) -> dict[str, Any]:
     ``frames`` only for trace events, so this way the weights and optimizer state are labelled and
     coloured like everything else. ``segments`` holds the end state (entries still live after the step)
     so the "Allocator State History" view and ``torch.cuda._memory_viz.segsum`` agree with the trace.
+
+    With ``predicted_segments`` (the caching allocator model's segments at the allocated peak,
+    ``ReservedPrediction.segments``), ``segments`` holds those instead: each ``cudaMalloc`` the model predicts,
+    its blocks allocated or cached, so ``segsum``/``segment_plot`` show the predicted fragmentation at the
+    peak. The device trace is the ledger's either way; the viewer's "Allocator State History", which walks
+    the trace back from the segments, does not apply to such a file.
 
     Example:
         >>> from trainledger.ledger import Category, Entry, Event, Ledger
@@ -143,7 +152,9 @@ def to_memory_viz_snapshot(ledger: Ledger) -> dict[str, Any]:
     )
     device = _device_index(ledger.device)
     segments = []
-    if replayed.heap.top:
+    if predicted_segments:
+        segments = [_predicted_segment(device, seg) for seg in predicted_segments]
+    elif replayed.heap.top:
         at_end = sorted((replayed.addr[k], e.nbytes, k) for k, e in enumerate(kept) if e.free_event is None)
         live = [(a, size, replayed.alloc_frames[k]) for a, size, k in at_end]
         segments.append(_segment(device, replayed.heap.top, live))
@@ -259,13 +270,47 @@ def _segment(device: int, total_size: int, live: list[tuple[int, int, list[dict[
     }
 
 
+def _predicted_segment(device: int, seg: SegmentInfo) -> dict[str, Any]:
+    """One of the allocator model's segments in the snapshot's format (``segmentInfo`` in
+    ``torch/csrc/cuda/memory_snapshot.cpp``)."""
+    blocks = [
+        {
+            "address": PREDICTED_BASE_ADDRESS + b.address,
+            "size": b.size_bytes,
+            "requested_size": b.requested_bytes,
+            "state": "active_allocated" if b.allocated else "inactive",
+            "frames": [{"filename": "trainledger", "line": 0, "name": b.label}] if b.label else [],
+        }
+        for b in seg.blocks
+    ]
+    allocated = seg.allocated_bytes
+    return {
+        "device": device,
+        "address": PREDICTED_BASE_ADDRESS + seg.address,
+        "total_size": seg.size_bytes,
+        "allocated_size": allocated,
+        "active_size": allocated,
+        "requested_size": sum(b.requested_bytes for b in seg.blocks),
+        "stream": seg.stream,
+        "segment_type": seg.pool,
+        "segment_pool_id": (0, 0),
+        "is_expandable": seg.expandable,
+        "frames": [],
+        "blocks": blocks,
+    }
+
+
 def write_memory_viz(
-    ledger: Ledger, path: str | os.PathLike[str], *, protect: Iterable[str | os.PathLike[str]] = ()
+    ledger: Ledger,
+    path: str | os.PathLike[str],
+    *,
+    protect: Iterable[str | os.PathLike[str]] = (),
+    predicted_segments: Sequence[SegmentInfo] = (),
 ) -> Path:
     """Pickle :func:`to_memory_viz_snapshot` to ``path`` (``.pickle``): drop it on https://pytorch.org/memory_viz.
 
     Also readable by ``python -m torch.cuda._memory_viz trace_plot PATH -o out.html``.
     """
     out = check_output_path(path, MEMORY_VIZ_SUFFIXES, what="memory_viz snapshot", protect=protect)
-    snapshot = to_memory_viz_snapshot(ledger)
+    snapshot = to_memory_viz_snapshot(ledger, predicted_segments)
     return atomic_write(out, lambda f: pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL), binary=True)

@@ -89,7 +89,11 @@ def _num(x: object) -> str:
     return str(int(f)) if f == int(f) else f"{f:.3g}"
 
 
-def peak_text(peak: Peak, *, evidence: str, maxima: dict[str, int], single_instant: bool) -> Text:
+def peak_text(
+    peak: Peak, *, evidence: str, maxima: dict[str, int], single_instant: bool, kernels: str | None = None
+) -> Text:
+    """The peak (or, ``single_instant``, the persistent total) and the breakdown at that instant;
+    ``kernels``: the kernel kind the figure assumes (``cpu``, ``cuda``), said beside the peak."""
     if single_instant:  # a peak is claimed only from a trace or a measurement
         head = (
             f"total persistent state {peak.bytes:,} bytes ({both_units(peak.bytes)}), evidence {evidence}; "
@@ -97,6 +101,8 @@ def peak_text(peak: Peak, *, evidence: str, maxima: dict[str, int], single_insta
         )
     else:
         head = f"peak {peak.bytes:,} bytes ({both_units(peak.bytes)}), evidence {evidence}"
+        if kernels is not None:
+            head += f" ({kernels} kernels)"
     if not single_instant:
         where = f"event {peak.event}, {peak.phase}"
         if peak.op:

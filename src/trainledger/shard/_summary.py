@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from trainledger.allocator import ReservedPrediction
 from trainledger.ledger import EntryGroup, LedgerSummary, Peak
 from trainledger.shard._comm import Collective, CommTime, payload_by_kind, wire_by_kind
 
@@ -142,6 +143,8 @@ class ShardReport:
     results: tuple[ShardSummary, ...]
     times: tuple[CommTime | None, ...]
     """Each stage's estimated communication time (``None``: no link bandwidth given)."""
+    reserved: tuple[ReservedPrediction | None, ...] = ()
+    """Each stage's rank 0 replayed through the caching allocator's model (empty: the model was off)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = self.results[-1].to_dict()
@@ -165,6 +168,9 @@ class ShardReport:
             }
             for r, t in zip(self.results, self.times, strict=True)
         ]
+        for stage, pred in zip(out["stages"], self.reserved, strict=False):
+            if pred is not None:
+                stage["allocator"] = pred.to_dict()
         return out
 
     @classmethod
@@ -175,4 +181,5 @@ class ShardReport:
             source=str(data["source"]),
             results=tuple(ShardSummary.from_dict(s["summary"]) for s in stages),
             times=tuple(CommTime(**s["time"]) if s["time"] else None for s in stages),
+            reserved=tuple(ReservedPrediction.from_dict(s["allocator"]) for s in stages if "allocator" in s),
         )

@@ -12,6 +12,8 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from trainledger.allocator import ReservedPrediction
+from trainledger.devices import kernel_kind
 from trainledger.ledger import Entry, Evidence, Ledger, LedgerSummary, Peak
 
 if TYPE_CHECKING:
@@ -120,6 +122,13 @@ class TraceReport:
     measured: MeasuredStep | None = None
     sharded: ShardSummary | None = None
     """The step sharded across ranks, predicted from this trace."""
+    reserved: ReservedPrediction | None = None
+    """The caching allocator model's prediction for the traced step (``--device``, ``--allocator``)."""
+
+    @property
+    def kernel_kind(self) -> str:
+        """Whose kernels the trace ran (``cpu`` on a machine without a GPU)."""
+        return kernel_kind(self.ledger.device)
 
     @classmethod
     def of(
@@ -129,11 +138,12 @@ class TraceReport:
         num_params: int | None = None,
         measured: MeasuredStep | None = None,
         sharded: ShardSummary | None = None,
+        reserved: ReservedPrediction | None = None,
         limit: int = 10,
     ) -> TraceReport:
         summary = ledger.summary()
         largest = ledger.largest_live(summary.peak.event, limit=limit)
-        return cls(summary, len(ledger.entries), largest, num_params, measured, sharded)
+        return cls(summary, len(ledger.entries), largest, num_params, measured, sharded, reserved)
 
     def to_dict(self) -> dict[str, Any]:
         """``trace --json``: the top level is the traced ledger's, or rank 0's when sharded (with the
@@ -149,6 +159,9 @@ class TraceReport:
         out["largest_live_at_peak"] = [{**e.to_dict(), "bytes": e.nbytes, "module": e.owner} for e in self.largest_live]
         if self.measured is not None:
             out["measured"] = self.measured.to_dict()
+        out["kernel_kind"] = self.kernel_kind
+        if self.reserved is not None:
+            out["allocator"] = self.reserved.to_dict()
         return out
 
     @classmethod
@@ -164,6 +177,7 @@ class TraceReport:
             for e in data["largest_live_at_peak"]
         )
         measured = data.get("measured")
+        reserved = data.get("allocator")
         return cls(
             ledger=LedgerSummary.from_dict(data["traced"] if sharded is not None else data),
             num_entries=int(data["num_entries"]),
@@ -171,4 +185,5 @@ class TraceReport:
             num_params=data.get("num_params"),
             measured=MeasuredStep.from_dict(measured) if measured is not None else None,
             sharded=sharded,
+            reserved=ReservedPrediction.from_dict(reserved) if reserved is not None else None,
         )
