@@ -6,21 +6,14 @@ import argparse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
+from trainledger.commands._hfstep import add_step_source_flags, workload_for
 from trainledger.commands._stacked import trace_hf_stacked
-from trainledger.commands.common import (
-    add_json_flag,
-    add_model_flag,
-    flags_verb,
-    input_paths,
-    positive_int,
-    print_json,
-)
-from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
+from trainledger.commands.common import add_json_flag, input_paths, print_json
 from trainledger.errors import InputError
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
 from trainledger.report.terminal import (
@@ -34,12 +27,7 @@ from trainledger.report.terminal import (
     print_renderables,
 )
 from trainledger.shard import parse_strategy
-from trainledger.sources import load_workload
 from trainledger.trace import TraceReport
-from trainledger.workload import Workload
-
-if TYPE_CHECKING:
-    from trainledger.hf import HFConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,14 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="trace one training step: every tensor's lifetime and the true simultaneous peak",
         description="Trace one steady-state training step (after a warm-up step) tensor by tensor.",
     )
-    add_model_flag(p, unless="--hf-config")
-    hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
-    hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
-    add_step_flags(hf, unset=True)
-    sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
-    sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
-    sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
-    p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
+    add_step_source_flags(p)
     p.add_argument(
         "--full-depth",
         action="store_true",
@@ -71,27 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_json_flag(p)
     p.set_defaults(run=run)
-
-
-def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) -> Workload:
-    if args.model and args.hf_config:
-        raise InputError("give either --model or --hf-config, not both")
-    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
-    if args.hf_config:
-        from trainledger.hf import workload_from_setup
-
-        step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
-        check_lora_flags(step)
-        return workload_from_setup(args.hf_config if config is None else config, setup_from(step), fake=args.fake)
-    if not args.model:
-        raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
-    if given:
-        flags = flags_verb(["--" + k.replace("_", "-") for k in given], "applies", "apply")
-        raise InputError(
-            f"{flags} only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
-            "and batch: drop them"
-        )
-    return load_workload(args.model)
 
 
 def run(args: argparse.Namespace) -> int:
