@@ -29,7 +29,7 @@ from trainledger.remat._candidates import (
     regions_of,
     replay,
 )
-from trainledger.remat._full import Sharding, plan_for_instance, solve_per_rank, verify_fake
+from trainledger.remat._full import RankPlanner, Sharding, plan_for_instance, solve_per_rank, verify_fake
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
 from trainledger.remat._planner import InfeasibleBudget, Planner, PlanResult, plan, plan_and_verify
@@ -71,6 +71,7 @@ __all__ = [
     "PlanResult",
     "Planner",
     "Point",
+    "RankPlanner",
     "Region",
     "Sharding",
     "Solution",

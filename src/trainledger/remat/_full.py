@@ -67,21 +67,45 @@ class Sharding:
         return "one process" if self.trivial else f"{self.strategy} over {self.world_size} ranks"
 
 
-def per_rank_planner(planner: Planner, sharding: Sharding) -> Planner:
-    """``planner`` with its linear model's plain live bytes those of the fullest rank, point by point.
+@dataclass(frozen=True)
+class RankPlanner:
+    """A planner whose solvers see the fullest rank's memory, with the figures every budget needs."""
 
-    Sharding keeps the step's event clock and shards persistent state, not activations, so what each
-    candidate changes (its ``delta``) is the same on every rank; only the plain step's live bytes
-    (``base``, every candidate's recomputation laid out) differ. The floor is solved again on it."""
-    import numpy as np
+    planner: Planner
+    """The unsharded step's planner (its ledger is what plans are replayed on)."""
+    rank: Planner
+    """The same candidates, the linear model's plain live bytes those of the fullest rank."""
+    sharding: Sharding
+    plain_rank_bytes: int
+    """The plain step's peak on the fullest rank."""
+    floor_plan: Plan
+    """The lowest-peak plan on the fullest rank (predicted on the unsharded step)."""
+    floor_rank_bytes: int
+    """Its peak on the fullest rank: the floor per rank."""
 
-    cs = planner.candidates
-    laid_out = replay(cs, [], phantoms=range(len(cs.candidates)))
-    base = np.asarray(sharding.rank_ledger(laid_out).totals(), dtype=np.int64)
-    assert base.shape == planner.model.base.shape, (base.shape, planner.model.base.shape)
-    model = replace(planner.model, base=base)
-    floor, choice = min_peak(model)
-    return replace(planner, model=model, floor_bytes=floor, floor_choice=choice)
+    @classmethod
+    def of(cls, planner: Planner, sharding: Sharding) -> RankPlanner:
+        """Sharding keeps the step's event clock and shards persistent state, not activations, so what each
+        candidate changes (the linear model's ``delta``) is the same on every rank; only the plain step's
+        live bytes (``base``, every candidate's recomputation laid out) differ. The floor is solved again."""
+        import numpy as np
+
+        cs = planner.candidates
+        laid_out = replay(cs, [], phantoms=range(len(cs.candidates)))
+        base = np.asarray(sharding.rank_ledger(laid_out).totals(), dtype=np.int64)
+        assert base.shape == planner.model.base.shape, (base.shape, planner.model.base.shape)
+        model = replace(planner.model, base=base)
+        floor, choice = min_peak(model)
+        rank = replace(planner, model=model, floor_bytes=floor, floor_choice=choice)
+        floor_plan = rank.to_plan(_floor_solution(rank), budget_bytes=None)
+        return cls(
+            planner,
+            rank,
+            sharding,
+            sharding.rank_ledger(planner.plain).peak().bytes,
+            floor_plan,
+            sharding.rank_ledger(floor_plan.predicted).peak().bytes,  # type: ignore[arg-type]
+        )
 
 
 def solve_per_rank(
@@ -91,14 +115,14 @@ def solve_per_rank(
     *,
     solver: SolverName = "auto",
     time_limit_s: float = 20.0,
-    rank_planner: Planner | None = None,
+    rank_planner: RankPlanner | None = None,
 ) -> Plan:
     """The cheapest plan found whose predicted peak on the fullest rank is within ``budget_bytes``.
 
-    The solvers run on :func:`per_rank_planner` (``rank_planner``: made once for several budgets); each
-    plan is then replayed on the plain step and sharded, and the budget lowered by any overshoot until the
-    sharded replay fits. The returned plan's ``budget_bytes``, ``plain_peak_bytes``,
-    ``predicted_peak_bytes``, ``floor_bytes`` and ``predicted`` are those of the fullest rank.
+    The solvers run on :class:`RankPlanner` (``rank_planner``: made once for several budgets); each plan is
+    then replayed on the plain step and sharded, and the budget lowered by any overshoot until the sharded
+    replay fits. The returned plan's ``budget_bytes``, ``plain_peak_bytes``, ``predicted_peak_bytes``,
+    ``floor_bytes`` and ``predicted`` are those of the fullest rank.
 
     Raises:
         InfeasibleBudget: even the lowest-peak plan exceeds the budget on the fullest rank (its floor is
@@ -106,15 +130,13 @@ def solve_per_rank(
     """
     if sharding.trivial:
         return planner.solve(budget_bytes, solver=solver, time_limit_s=time_limit_s)
-    rp = rank_planner if rank_planner is not None else per_rank_planner(planner, sharding)
-    plain_rank = sharding.rank_ledger(planner.plain).peak().bytes
-    floor_plan = rp.to_plan(_floor_solution(rp), budget_bytes=budget_bytes)
-    floor_rank = sharding.rank_ledger(floor_plan.predicted).peak().bytes  # type: ignore[arg-type]
-    per_rank = {"plain_peak_bytes": plain_rank, "floor_bytes": floor_rank, "budget_bytes": budget_bytes}
-    if budget_bytes >= plain_rank:
+    rp = rank_planner if rank_planner is not None else RankPlanner.of(planner, sharding)
+    floor_rank = rp.floor_rank_bytes
+    per_rank = {"plain_peak_bytes": rp.plain_rank_bytes, "floor_bytes": floor_rank, "budget_bytes": budget_bytes}
+    if budget_bytes >= rp.plain_rank_bytes:
         return _on_rank(planner.solve(planner.plain_peak_bytes), sharding, per_rank)
     if budget_bytes < floor_rank:
-        best = _on_rank(floor_plan, sharding, per_rank)
+        best = _on_rank(rp.floor_plan, sharding, per_rank)
         raise InfeasibleBudget(
             f"budget {_both(budget_bytes)} per rank is below the floor {_both(floor_rank)}: the lowest peak any "
             f"plan reaches on the fullest rank ({sharding.label()}); the best plan recomputes "
@@ -125,15 +147,15 @@ def solve_per_rank(
         )
     target = budget_bytes
     for _ in range(_MAX_ROUNDS):
-        target = max(target, rp.floor_bytes)
-        p = _on_rank(rp.solve(target, solver=solver, time_limit_s=time_limit_s), sharding, per_rank)
+        target = max(target, rp.rank.floor_bytes)
+        p = _on_rank(rp.rank.solve(target, solver=solver, time_limit_s=time_limit_s), sharding, per_rank)
         over = (p.predicted_peak_bytes or 0) - budget_bytes
         if over <= 0:
             return p
-        if target == rp.floor_bytes:
+        if target == rp.rank.floor_bytes:
             break
         target -= over
-    return _on_rank(floor_plan, sharding, per_rank)  # the floor fits (checked above)
+    return _on_rank(rp.floor_plan, sharding, per_rank)  # the floor fits (checked above)
 
 
 def _floor_solution(planner: Planner) -> Solution:

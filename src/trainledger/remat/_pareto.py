@@ -17,7 +17,7 @@ from trainledger.checks import MAX_BUDGETS, one_of, positive_number, whole_numbe
 from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
 from trainledger.remat._candidates import COSTS, CostKind, replay
-from trainledger.remat._full import Sharding, per_rank_planner, solve_per_rank
+from trainledger.remat._full import RankPlanner, Sharding, solve_per_rank
 from trainledger.remat._planner import Planner
 from trainledger.remat._solvers import NoPlan, Solution, solve, solve_greedy, solve_milp, sqrt_n_choice
 from trainledger.remat._verify import verify as run_verify
@@ -277,9 +277,8 @@ def pareto_per_rank(
 
     blocks = tuple(planner.block_candidates())
     uniform, sqrt_n = fixed("uniform", blocks), fixed("sqrt-n", tuple(sqrt_n_choice(list(blocks))))
-    plain_rank = sharding.rank_ledger(planner.plain).peak().bytes
-    rank_planner = per_rank_planner(planner, sharding)
-    floor_rank = sharding.rank_ledger(replay(cs, rank_planner.floor_choice)).peak().bytes
+    rank_planner = RankPlanner.of(planner, sharding)
+    plain_rank, floor_rank = rank_planner.plain_rank_bytes, rank_planner.floor_rank_bytes
     sweep = {int(x) for x in np.linspace(plain_rank, floor_rank, num_budgets).round()}
     sweep |= {p.peak_bytes for p in (uniform, sqrt_n) if floor_rank <= p.peak_bytes <= plain_rank}
     rows = []
@@ -289,7 +288,7 @@ def pareto_per_rank(
         rows.append(ParetoRow(b, point("ours", choice, p.predicted_peak_bytes or 0, p.optimal, p.gap), None, None))
     return ParetoResult(
         model=planner.workload.name,
-        plain=sharding.rank_ledger(planner.plain).summary(),
+        plain=sharding.rank_ledger(planner.plain).summary(),  # the fullest rank's plain step
         plain_peak_bytes=plain_rank,
         floor_bytes=floor_rank,
         state_floor_bytes=planner.state_floor_bytes,
