@@ -111,6 +111,14 @@ def fake_planner(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return workload, Planner.build(workload, cost="flops", fake=True), sharding
 
 
+_SMALL_NOTE = (
+    "verification: the full-size step is traced again on fake tensors; gradients and state are compared on a "
+    "small real instance of the architecture (3 blocks, hidden 64, 2 sequences of 32 tokens) running the same "
+    "plan by module path and policy (block i as block i mod 3)"
+)
+_NO_SMALL_NOTE = "verification: traced again on fake tensors; gradients cannot be compared on fake tensors"
+
+
 def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
     """``plan --fake``: plan on the fake step's trace, per rank; ``--verify`` re-traces it on fake tensors
     and compares gradients on a small real instance (with ``--hf-config``)."""
@@ -126,6 +134,7 @@ def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
     if args.verify:
         small = small_workload(args) if args.hf_config else None
         verification = verify_fake(workload, p, sharding, small=small)
+        p = replace(p, notes=(*p.notes, _SMALL_NOTE if small is not None else _NO_SMALL_NOTE))
     costs = candidate_costs(planner.candidates, planner.model)
     state_floor = planner.state_floor_bytes if sharding.trivial else None
     return PlanResult(p, costs, state_floor, verification, p.predicted.summary() if p.predicted else None)
