@@ -116,7 +116,18 @@ _SMALL_NOTE = (
     "small real instance of the architecture (3 blocks, hidden 64, 2 sequences of 32 tokens) running the same "
     "plan by module path and policy (block i as block i mod 3)"
 )
-_NO_SMALL_NOTE = "verification: traced again on fake tensors; gradients cannot be compared on fake tensors"
+_NO_SMALL_NOTE = (
+    "verification: traced again on fake tensors; gradients cannot be compared on a model built on fake tensors"
+)
+
+
+def _real_or_none(workload: Any) -> Any:
+    """``--model --fake`` of a model with real weights: its gradients are compared on the real step itself."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    params = list(workload.model.parameters())
+    fake = any(isinstance(q, FakeTensor) or q.is_meta for q in params)
+    return None if fake or not params else workload
 
 
 def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
@@ -132,9 +143,12 @@ def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
     p = replace(p, extra_seconds=None)  # fake kernels compute nothing: their times mean nothing
     verification = None
     if args.verify:
-        small = small_workload(args) if args.hf_config else None
+        small = small_workload(args) if args.hf_config else _real_or_none(workload)
         verification = verify_fake(workload, p, sharding, small=small)
-        p = replace(p, notes=(*p.notes, _SMALL_NOTE if small is not None else _NO_SMALL_NOTE))
+        note = (
+            _SMALL_NOTE if args.hf_config else "verification: traced again on fake tensors; gradients on the real model"
+        )
+        p = replace(p, notes=(*p.notes, note if small is not None else _NO_SMALL_NOTE))
     costs = candidate_costs(planner.candidates, planner.model)
     state_floor = planner.state_floor_bytes if sharding.trivial else None
     return PlanResult(p, costs, state_floor, verification, p.predicted.summary() if p.predicted else None)
@@ -227,7 +241,11 @@ def verification_text(result: PlanResult) -> Text:
         f"{100 * v.relative_error:+.3f}% ({'agree' if v.agrees else 'DISAGREE'}, limit {100 * AGREEMENT:.0f}%)",
         f"  within the budget {budget}: {yes[v.within_budget]}",
         f"  gradients bitwise equal to the plain step's (same seed, {device}, dropout on): "
-        f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
+        + (
+            f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
+            if v.num_gradients
+            else "not compared"
+        )
         + _first(v.mismatched),
         "  parameters, buffers and optimizer state after one step bitwise equal to the plain step's: "
         f"{yes[v.state_bitwise_equal]} ({v.num_state - len(v.mismatched_state)} of {v.num_state})"
