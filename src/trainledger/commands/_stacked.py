@@ -57,3 +57,33 @@ def trace_hf_stacked(path: str | Path, build_at: BuildAt, *, progress: Any = Non
 
     ledger = trace_stacked(build, num_layers, fake=True, progress=progress, differs=uneven)
     return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
+
+
+_NARROW: dict[str, int] = {
+    "hidden_size": 64,
+    "n_embd": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "vocab_size": 512,
+    "head_dim": 16,
+}
+"""A small instance's widths: what a real step runs here in well under a second."""
+_SMALL_HEADS = 4
+_SMALL_DEPTH = 3
+
+
+def small_config(path: str | Path) -> HFConfig:
+    """The config's architecture, 3 blocks deep and narrow (its other settings kept), named as the config:
+    a real instance on which a plan made at full size can be run and its gradients compared."""
+    cfg = load_hf_config(path)
+    raw = _at_depth(cfg.raw, _layer_key(cfg.spec.family), cfg.spec.num_layers, min(_SMALL_DEPTH, cfg.spec.num_layers))
+    raw.update({k: v for k, v in _NARROW.items() if raw.get(k) is not None})
+    for heads in ("num_attention_heads", "n_head"):
+        if raw.get(heads):
+            kv = raw.get("num_key_value_heads") or raw[heads]
+            raw[heads] = _SMALL_HEADS
+            if "num_key_value_heads" in raw:
+                raw["num_key_value_heads"] = max(1, _SMALL_HEADS * kv // cfg.raw[heads])
+    if raw.get("n_inner") is not None:
+        raw["n_inner"] = 128
+    return replace(load_hf_config(raw), source=cfg.source)

@@ -9,14 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.commands.common import (
-    add_json_flag,
-    add_model_flag,
-    input_paths,
-    positive_int,
-    print_json,
-)
-from trainledger.commands.plan import add_cost_flag, require_model, require_solvers
+from trainledger.commands._hfstep import add_step_source_flags, workload_for
+from trainledger.commands.common import add_json_flag, input_paths, positive_int, print_json
+from trainledger.commands.plan import add_cost_flag, full_size, require_model, require_solvers
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.sources import load_workload
 
@@ -31,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Sweep budgets from the plain step's traced peak down to the floor and compare our plans "
         "with the MILP optimum, a greedy knapsack, uniform per-block checkpointing and Chen's sqrt(n).",
     )
-    add_model_flag(p)
+    add_step_source_flags(p)
     p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets, 2 to 64 (default 8)")
     add_cost_flag(p)
     p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
@@ -44,13 +39,22 @@ def compute(args: argparse.Namespace) -> ParetoResult:
     require_solvers()
     from trainledger.remat import pareto
 
-    require_model(args)
     if args.plot:
         from trainledger.report.exports import check_export_paths
 
         check_export_paths(plot=args.plot, protect=input_paths(args))  # the suffix, the folder, matplotlib
+    if full_size(args):
+        from trainledger.remat import Sharding
+        from trainledger.shard import parse_strategy
+
+        sharding = Sharding(world_size=args.world, strategy=parse_strategy(args.stage))
+        workload = workload_for(args)
+        return pareto(
+            workload, num_budgets=args.budgets, cost="flops", verify=args.verify, fake=True, sharding=sharding
+        )
+    require_model(args)
     workload = load_workload(args.model)
-    return pareto(workload, num_budgets=args.budgets, cost=args.cost, verify=args.verify)
+    return pareto(workload, num_budgets=args.budgets, cost=args.cost or "seconds", verify=args.verify)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +94,7 @@ def render(result: ParetoResult, console: Console) -> None:
         table.add_column("traced peak", justify="right")
         table.add_column("grads equal", justify="right")
     sac = result.extra.get("torch_sac_ilp") or {}
+    per_rank = "per_rank" in result.extra  # our plan is the MILP's; peaks are the fullest rank's
     if sac.get("ran"):
         table.add_column("PyTorch SAC MILP", justify="right")
     for k, r in enumerate(result.rows):
@@ -99,8 +104,8 @@ def render(result: ParetoResult, console: Console) -> None:
             f"{100 * r.budget_bytes / result.plain_peak_bytes:.1f}%",
             f"{o.peak_bytes:,}" if o else "-",
             _cost(o, seconds),
-            _cost(r.milp, seconds),
-            _cost(r.greedy, seconds),
+            "-" if per_rank else _cost(r.milp, seconds),
+            "-" if per_rank else _cost(r.greedy, seconds),
             ", ".join(o.regions) if o and o.regions else "nothing",
         ]
         if verified:

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, input_paths, print_json
+from trainledger.commands._hfstep import add_step_source_flags, small_workload, workload_for
+from trainledger.commands.common import add_json_flag, input_paths, print_json
 from trainledger.errors import InputError
 from trainledger.report.exports import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
@@ -42,8 +43,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Trace the step, choose the regions to recompute at the least extra compute, and "
         "(--verify) apply the plan, trace again and compare gradients with the plain step's.",
     )
-    add_model_flag(p)
-    p.add_argument("--budget", required=True, help="a share of the plain step's traced peak (60%%) or a size (2GiB)")
+    add_step_source_flags(p)
+    p.add_argument(
+        "--budget",
+        required=True,
+        help="a share of the plain step's traced peak (60%%) or a size (2GiB); per rank with --world",
+    )
     p.add_argument("--verify", action="store_true", help="apply the plan, trace the step again, compare gradients")
     p.add_argument("--solver", default="auto", choices=SOLVERS, help=f"one of {', '.join(SOLVERS)} (default auto)")
     add_cost_flag(p)
@@ -56,9 +61,9 @@ def add_cost_flag(p: argparse.ArgumentParser) -> None:
     """What the solver minimises; shared by ``plan`` and ``pareto``."""
     p.add_argument(
         "--cost",
-        default="seconds",
+        default=None,
         choices=COSTS,
-        help="what to minimise: seconds (measured) or flops (default seconds)",
+        help="what to minimise: seconds (measured) or flops (default seconds; flops with --fake)",
     )
 
 
@@ -72,12 +77,81 @@ def compute(args: argparse.Namespace) -> PlanResult:
     require_solvers()
     from trainledger.remat import Budget, plan_and_verify
 
-    require_model(args)
     budget = Budget.parse(args.budget)  # before the step is traced
     if args.save:
         check_output_path(args.save, (".json",), what="plan", protect=input_paths(args))
+    if full_size(args):
+        return compute_fake(args, budget)
+    require_model(args)
     workload = load_workload(args.model)
-    return plan_and_verify(workload, budget, solver=args.solver, cost=args.cost, verify=args.verify)
+    return plan_and_verify(workload, budget, solver=args.solver, cost=args.cost or "seconds", verify=args.verify)
+
+
+def full_size(args: argparse.Namespace) -> bool:
+    """A step on fake tensors (``--fake``); ``--hf-config`` and sharding need it (``InputError`` otherwise)."""
+    given = [
+        f
+        for f, on in (("--hf-config", args.hf_config), ("--world", args.world > 1), ("--stage", args.stage != "0"))
+        if on
+    ]
+    if given and not args.fake:
+        raise InputError(f"{', '.join(given)} plan a step at full size on fake tensors: add --fake")
+    if args.fake and args.cost == "seconds":
+        raise InputError("--cost seconds needs the step to run; on fake tensors the cost is flops (drop --cost)")
+    return bool(args.fake)
+
+
+def fake_planner(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The workload the flags describe on fake tensors, its planner (FLOP costs) and its sharding."""
+    from trainledger.remat import Planner, Sharding
+    from trainledger.shard import parse_strategy
+
+    sharding = Sharding(world_size=args.world, strategy=parse_strategy(args.stage))
+    workload = workload_for(args)
+    return workload, Planner.build(workload, cost="flops", fake=True), sharding
+
+
+_SMALL_NOTE = (
+    "verification: the full-size step is traced again on fake tensors; gradients and state are compared on a "
+    "small real instance of the architecture (3 blocks, hidden 64, 2 sequences of 32 tokens) running the same "
+    "plan by module path and policy (block i as block i mod 3)"
+)
+_NO_SMALL_NOTE = (
+    "verification: traced again on fake tensors; gradients cannot be compared on a model built on fake tensors"
+)
+
+
+def _real_or_none(workload: Any) -> Any:
+    """``--model --fake`` of a model with real weights: its gradients are compared on the real step itself."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    params = list(workload.model.parameters())
+    fake = any(isinstance(q, FakeTensor) or q.is_meta for q in params)
+    return None if fake or not params else workload
+
+
+def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
+    """``plan --fake``: plan on the fake step's trace, per rank; ``--verify`` re-traces it on fake tensors
+    and compares gradients on a small real instance (with ``--hf-config``)."""
+    from dataclasses import replace
+
+    from trainledger.remat import PlanResult, candidate_costs, solve_per_rank, verify_fake
+
+    workload, planner, sharding = fake_planner(args)
+    budget_bytes = budget.resolve(sharding.rank_ledger(planner.plain).peak().bytes)
+    p = solve_per_rank(planner, budget_bytes, sharding, solver=args.solver)
+    p = replace(p, extra_seconds=None)  # fake kernels compute nothing: their times mean nothing
+    verification = None
+    if args.verify:
+        small = small_workload(args) if args.hf_config else _real_or_none(workload)
+        verification = verify_fake(workload, p, sharding, small=small)
+        note = (
+            _SMALL_NOTE if args.hf_config else "verification: traced again on fake tensors; gradients on the real model"
+        )
+        p = replace(p, notes=(*p.notes, note if small is not None else _NO_SMALL_NOTE))
+    costs = candidate_costs(planner.candidates, planner.model)
+    state_floor = planner.state_floor_bytes if sharding.trivial else None
+    return PlanResult(p, costs, state_floor, verification, p.predicted.summary() if p.predicted else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,10 +184,7 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
     else:
         gap = f"optimality gap {100 * p.gap:.2f}%"
     lines = [
-        f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured "
-        "(ops up to each region's early stop, medians of repeated single-thread runs)"
-        if p.extra_flops is not None and p.extra_seconds is not None
-        else "extra compute: not saved with the plan",
+        _extra(p),
         f"solver: {p.solver}, {gap}" + (f"; LP lower bound {p.lp_bound:.4g}" if p.lp_bound is not None else ""),
         "floor: the lowest peak any plan reaches here is "
         + (f"{p.floor_bytes:,} bytes ({both_units(p.floor_bytes)})" if p.floor_bytes is not None else "not saved")
@@ -130,6 +201,17 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         items.append(Text(f"wrote {saved}"))
     items.append(notes_text([*p.notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
+
+
+def _extra(p: Any) -> str:
+    if p.extra_flops is None:
+        return "extra compute: not saved with the plan"
+    if p.extra_seconds is None:
+        return f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward (counted on fake tensors; not timed)"
+    return (
+        f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured "
+        "(ops up to each region's early stop, medians of repeated single-thread runs)"
+    )
 
 
 def _head(result: PlanResult) -> str:
@@ -159,7 +241,11 @@ def verification_text(result: PlanResult) -> Text:
         f"{100 * v.relative_error:+.3f}% ({'agree' if v.agrees else 'DISAGREE'}, limit {100 * AGREEMENT:.0f}%)",
         f"  within the budget {budget}: {yes[v.within_budget]}",
         f"  gradients bitwise equal to the plain step's (same seed, {device}, dropout on): "
-        f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
+        + (
+            f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
+            if v.num_gradients
+            else "not compared"
+        )
         + _first(v.mismatched),
         "  parameters, buffers and optimizer state after one step bitwise equal to the plain step's: "
         f"{yes[v.state_bitwise_equal]} ({v.num_state - len(v.mismatched_state)} of {v.num_state})"
@@ -205,6 +291,6 @@ def regions_table(result: PlanResult) -> Table | Text:
             f"{c.saved_bytes:,}",
             f"{transient:,}" if transient is not None else "-",
             f"{c.recompute_flops:,}",
-            f"{c.recompute_seconds * 1e3:.3f}",
+            f"{c.recompute_seconds * 1e3:.3f}" if result.plan.extra_seconds is not None else "-",
         )
     return table

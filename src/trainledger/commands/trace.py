@@ -13,16 +13,10 @@ from rich.text import Text
 
 from trainledger.analytic import FAMILIES, load_config_file
 from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
+from trainledger.commands._hfstep import add_step_source_flags, workload_for
 from trainledger.commands._stacked import trace_hf_stacked
-from trainledger.commands.common import (
-    add_json_flag,
-    add_model_flag,
-    flags_verb,
-    input_paths,
-    positive_int,
-    print_json,
-)
-from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
+from trainledger.commands.common import add_json_flag, input_paths, positive_int, print_json
+from trainledger.commands.estimate import STEP_DEFAULTS, check_lora_flags, setup_from
 from trainledger.devices import kernel_kind
 from trainledger.errors import InputError
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
@@ -37,7 +31,6 @@ from trainledger.report.terminal import (
     print_renderables,
 )
 from trainledger.shard import parse_strategy
-from trainledger.sources import load_workload
 from trainledger.trace import TraceReport
 from trainledger.workload import Workload
 
@@ -61,29 +54,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="trace one training step: every tensor's lifetime and the true simultaneous peak",
         description="Trace one steady-state training step (after a warm-up step) tensor by tensor.",
     )
-    add_model_flag(p, unless="--hf-config")
-    hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
-    hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
-    add_step_flags(hf, unset=True)
-    hf.add_argument(
+    add_step_source_flags(p)
+    anymodel = p.add_argument_group("architectures outside the analytic families (built whole, on fake tensors too)")
+    anymodel.add_argument(
         "--task",
         choices=tuple(TASK_NAMES),
         metavar="TASK",
         help=f"the model trained: {', '.join(TASK_NAMES)} (default: the config's architectures)",
     )
-    hf.add_argument("--timm", metavar="NAME", help="a timm model by name, no pretrained weights (the timm extra)")
-    hf.add_argument(
+    anymodel.add_argument("--timm", metavar="NAME", help="a timm model by name, no pretrained weights (the timm extra)")
+    anymodel.add_argument(
         "--diffusers-config",
         metavar="PATH",
         help="a diffusers model's local config.json, trained with the denoising loss (the diffusers extra)",
     )
-    hf.add_argument(
+    anymodel.add_argument(
         "--image-size", type=positive_int(), help="pixels per side for image classification (default: the config's)"
     )
-    sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
-    sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
-    sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
-    p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
     p.add_argument(
         "--full-depth",
         action="store_true",
@@ -102,37 +89,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None) -> Workload:
-    if args.model and args.hf_config:
-        raise InputError("give either --model or --hf-config, not both")
-    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None) -> Workload:
+    """The step to trace: an architecture outside the analytic families, a timm or diffusers model, or
+    what :func:`workload_for` builds (``--model``, a family's ``--hf-config``)."""
     sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f)]
     if len(sources) > 1:
         raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
+    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
     if args.timm or args.diffusers_config:
         return _vision_workload(args, given)
     if args.hf_config and not in_analytic_family(args):
         return _any_workload(args, given)
     if args.image_size is not None:
         raise InputError("--image-size applies to image classification (--task image-classification): drop it")
-    if args.hf_config:
-        from trainledger.hf import workload_from_setup
-
-        step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
-        check_lora_flags(step)
-        return workload_from_setup(args.hf_config if config is None else config, setup_from(step), fake=args.fake)
-    if not args.model:
+    if not sources:
         raise InputError(
             "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
         )
-    given.update({k: True for k in ("task",) if getattr(args, k) is not None})
-    if given:
-        flags = flags_verb(["--" + k.replace("_", "-") for k in given], "applies", "apply")
+    if args.model and args.task is not None:
         raise InputError(
-            f"{flags} only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
-            "and batch: drop them"
+            f"--task applies only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
+            "and batch: drop it"
         )
-    return load_workload(args.model)
+    return workload_for(args, config=config)
 
 
 def in_analytic_family(args: argparse.Namespace) -> bool:
@@ -181,11 +160,11 @@ def run(args: argparse.Namespace) -> int:
     if args.full_depth and not (args.hf_config and args.fake):
         raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
     stacked = args.hf_config and args.fake and not (args.full_depth or args.model) and in_analytic_family(args)
-    workload = None if stacked else workload_for(args)
+    workload = None if stacked else _trace_workload(args)
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:
         if workload is None:
-            build_at = partial(workload_for, args)  # the same step, from the config at another depth
+            build_at = partial(_trace_workload, args)  # the same step, from the config at another depth
             ledger, num_params = trace_hf_stacked(args.hf_config, lambda cfg: build_at(config=cfg), progress=progress)
         else:
             num_params = sum(p.numel() for p in workload.model.parameters())

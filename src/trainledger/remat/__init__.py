@@ -29,6 +29,7 @@ from trainledger.remat._candidates import (
     regions_of,
     replay,
 )
+from trainledger.remat._full import RankPlanner, Sharding, plan_for_instance, solve_per_rank, verify_fake
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
 from trainledger.remat._planner import InfeasibleBudget, Planner, PlanResult, plan, plan_and_verify
@@ -70,7 +71,9 @@ __all__ = [
     "PlanResult",
     "Planner",
     "Point",
+    "RankPlanner",
     "Region",
+    "Sharding",
     "Solution",
     "SolverName",
     "Verification",
@@ -84,14 +87,17 @@ __all__ = [
     "pareto",
     "plan",
     "plan_and_verify",
+    "plan_for_instance",
     "regions_of",
     "replay",
     "solve",
     "solve_dp",
     "solve_greedy",
     "solve_milp",
+    "solve_per_rank",
     "sqrt_n_choice",
     "structure_fingerprint",
     "uniform_chain_model",
     "verify",
+    "verify_fake",
 ]

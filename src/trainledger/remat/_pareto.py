@@ -16,7 +16,8 @@ import numpy as np
 from trainledger.checks import MAX_BUDGETS, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
-from trainledger.remat._candidates import COSTS, CostKind
+from trainledger.remat._candidates import COSTS, CostKind, replay
+from trainledger.remat._full import RankPlanner, Sharding, solve_per_rank
 from trainledger.remat._planner import Planner
 from trainledger.remat._solvers import NoPlan, Solution, solve, solve_greedy, solve_milp, sqrt_n_choice
 from trainledger.remat._verify import verify as run_verify
@@ -151,7 +152,7 @@ class ParetoResult:
         )
 
 
-_EXTRA_KEYS = ("torch_sac_ilp",)
+_EXTRA_KEYS = ("torch_sac_ilp", "per_rank")
 
 
 def _point(planner: Planner, method: str, sol: Solution) -> Point:
@@ -182,11 +183,15 @@ def pareto(
     cost: CostKind = "seconds",
     verify: bool = False,
     time_limit_s: float = 20.0,
+    fake: bool = False,
+    sharding: Sharding | None = None,
 ) -> ParetoResult:
     """Sweep ``num_budgets`` budgets from the plain step's traced peak down to the floor.
 
     Arguments:
         verify: apply each of our plans, trace the step again and compare gradients with the plain step's.
+        fake: trace on fake tensors (full size; ``cost`` must be ``flops``; no ``verify``).
+        sharding: peaks per rank of the step sharded so (see :func:`~trainledger.remat.solve_per_rank`).
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -200,7 +205,11 @@ def pareto(
     )
     one_of(cost, "cost", COSTS)
     positive_number(time_limit_s, "time limit", unit="seconds")
-    planner = Planner.build(workload, cost=cost)
+    if fake and verify:
+        raise InputError("pareto on fake tensors cannot verify each plan; verify one with plan --fake --verify")
+    planner = Planner.build(workload, cost=cost, fake=fake)
+    if sharding is not None and not sharding.trivial:
+        return pareto_per_rank(planner, sharding, num_budgets=num_budgets, time_limit_s=time_limit_s)
     budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
     rows = []
     for b in (int(x) for x in budgets):
@@ -245,3 +254,52 @@ def _verified(planner: Planner, workload: Workload, point: Point, budget: int) -
     planner.restore()  # the same weights as the plain trace (tracing takes optimizer steps)
     v = run_verify(workload, plan, timing=False)
     return replace(point, traced_peak_bytes=v.traced_peak_bytes, gradients_bitwise_equal=v.gradients_bitwise_equal)
+
+
+def pareto_per_rank(
+    planner: Planner, sharding: Sharding, *, num_budgets: int, time_limit_s: float = 20.0
+) -> ParetoResult:
+    """The sweep of :func:`~trainledger.remat.pareto` with every peak that of the fullest rank: budgets from
+    the plain step's peak per rank down to the floor per rank, and at each baseline's own peak (so that each
+    baseline is compared with the plan the solver finds at the same budget). MILP and greedy columns are
+    left out (``None``): our plan there is the MILP's (``auto``)."""
+    cs = planner.candidates
+
+    def point(
+        method: str, choice: tuple[int, ...], peak: int, optimal: bool = False, gap: float | None = None
+    ) -> Point:
+        chosen = [cs.candidates[j] for j in choice]
+        names = tuple(c.name for c in sorted(chosen, key=lambda c: c.fwd[0]))
+        return Point(method, peak, 0.0, sum(c.flops for c in chosen), names, optimal, gap)
+
+    def fixed(method: str, choice: tuple[int, ...]) -> Point:
+        return point(method, choice, sharding.rank_ledger(replay(cs, choice)).peak().bytes)
+
+    blocks = tuple(planner.block_candidates())
+    uniform, sqrt_n = fixed("uniform", blocks), fixed("sqrt-n", tuple(sqrt_n_choice(list(blocks))))
+    rank_planner = RankPlanner.of(planner, sharding)
+    plain_rank, floor_rank = rank_planner.plain_rank_bytes, rank_planner.floor_rank_bytes
+    sweep = {int(x) for x in np.linspace(plain_rank, floor_rank, num_budgets).round()}
+    sweep |= {p.peak_bytes for p in (uniform, sqrt_n) if floor_rank <= p.peak_bytes <= plain_rank}
+    rows = []
+    for b in sorted(sweep, reverse=True):
+        p = solve_per_rank(planner, b, sharding, time_limit_s=time_limit_s, rank_planner=rank_planner)
+        choice = tuple(cs.index(r) for r in p.regions)
+        rows.append(ParetoRow(b, point("ours", choice, p.predicted_peak_bytes or 0, p.optimal, p.gap), None, None))
+    return ParetoResult(
+        model=planner.workload.name,
+        plain=sharding.rank_ledger(planner.plain).summary(),  # the fullest rank's plain step
+        plain_peak_bytes=plain_rank,
+        floor_bytes=floor_rank,
+        state_floor_bytes=planner.state_floor_bytes,
+        rows=tuple(rows),
+        uniform=uniform,
+        sqrt_n=sqrt_n,
+        cost="flops",
+        candidate_notes=(*cs.notes, f"every peak is that of the fullest rank, sharded as {sharding.label()}"),
+        extra={
+            "torch_sac_ilp": SAC_NOT_RUN,
+            "per_rank": {"world_size": sharding.world_size, "strategy": sharding.strategy},
+        },
+        planner=planner,
+    )

@@ -73,17 +73,27 @@ class Planner:
         self.workload.get_optimizer().load_state_dict(copy.deepcopy(opt_state))
 
     @classmethod
-    def build(cls, workload: Workload, *, cost: CostKind = "seconds", plain: Ledger | None = None) -> Planner:
+    def build(
+        cls, workload: Workload, *, cost: CostKind = "seconds", plain: Ledger | None = None, fake: bool = False
+    ) -> Planner:
+        """Trace ``workload`` (unless ``plain`` is given) and find its candidates.
+
+        ``fake``: trace and record on fake tensors (full size, nothing allocated); the costs are then FLOPs
+        alone (nothing runs, so nothing is timed) and ``cost`` must be ``"flops"``.
+        """
         from trainledger.trace import trace
 
+        if fake and cost != "flops":
+            raise InputError("a plan on fake tensors minimises FLOPs (nothing runs, nothing is timed): use cost flops")
         initial = None
         if plain is None:
-            initial = (
-                copy.deepcopy(workload.model.state_dict()),
-                copy.deepcopy(workload.get_optimizer().state_dict()),
-            )
-            plain = trace(workload)
-        record = record_forward(workload)
+            if not fake:
+                initial = (
+                    copy.deepcopy(workload.model.state_dict()),
+                    copy.deepcopy(workload.get_optimizer().state_dict()),
+                )
+            plain = trace(workload, fake=fake)
+        record = record_forward(workload, fake=fake)
         cs = find_candidates(plain, workload.model, record)
         lm = linear_model(cs, cost=cost)
         floor, choice = min_peak(lm)

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -132,6 +134,23 @@ class NoPlan(Exception):
 # --- the exact MILP ------------------------------------------------------------------------------------
 
 
+def _milp(*args: Any, **kwargs: Any) -> Any:
+    """``scipy.optimize.milp`` with file descriptor 1 pointed at the null device while it runs: HiGHS writes
+    some lines from C straight to it whatever ``disp`` says (``transformNewIntegerFeasibleSolution`` on
+    large models), which would break a command's ``--json`` output."""
+    from scipy.optimize import milp
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            return milp(*args, **kwargs)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def solve_milp(model: LinearModel, budget_bytes: int, *, time_limit_s: float = 20.0) -> Solution:
     """Minimum-cost plan with ``live(e) <= budget`` at every point, by HiGHS (``scipy.optimize.milp``).
 
@@ -141,7 +160,7 @@ def solve_milp(model: LinearModel, budget_bytes: int, *, time_limit_s: float = 2
         >>> solve_milp(m, 9).choice
         (1,)
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint
 
     t0 = time.perf_counter()
     n = model.num_candidates
@@ -159,10 +178,10 @@ def solve_milp(model: LinearModel, budget_bytes: int, *, time_limit_s: float = 2
     scale = 1e6 / float(np.max(np.abs(model.cost))) if np.any(model.cost) else 1.0
     c = model.cost.astype(float) * scale
     bounds = Bounds(np.zeros(n), np.ones(n))
-    lp = milp(c, constraints=constraints, integrality=np.zeros(n), bounds=bounds)
+    lp = _milp(c, constraints=constraints, integrality=np.zeros(n), bounds=bounds)
     if lp.status == 2:  # infeasible even fractionally
         raise NoPlan("the LP relaxation is infeasible")
-    res = milp(
+    res = _milp(
         c,
         constraints=constraints,
         integrality=np.ones(n),
@@ -228,7 +247,7 @@ def _conflict_rows(model: LinearModel) -> np.ndarray | None:
 
 def min_peak(model: LinearModel, *, time_limit_s: float = 20.0) -> tuple[int, tuple[int, ...]]:
     """The lowest peak any compatible plan reaches, and the cheapest such plan (MILP: min t, then min cost)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint
 
     n, p = model.num_candidates, len(model.base)
     if n == 0:
@@ -242,7 +261,7 @@ def min_peak(model: LinearModel, *, time_limit_s: float = 20.0) -> tuple[int, tu
     obj = np.zeros(n + 1)
     obj[-1] = 1.0
     bounds = Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf])
-    res = milp(
+    res = _milp(
         obj,
         constraints=constraints,
         integrality=np.r_[np.ones(n), 0],

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainledger.ledger import LedgerSummary
+from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan
 from trainledger.workload import Workload, call_model, compute_loss, run_step
 
@@ -169,10 +169,16 @@ def _with_and_without(
     model, opt = workload.model, workload.get_optimizer()
     state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     rng = torch.get_rng_state()
+    # an optimizer's own parameters (fp32 master copies of bf16 weights) are not in its state_dict
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    opt_values = [p.detach().clone() for p in opt_params]
 
     def rewind() -> None:
         model.load_state_dict(state)
         opt.load_state_dict(copy.deepcopy(opt_state))
+        with torch.no_grad():
+            for p, v in zip(opt_params, opt_values, strict=True):
+                p.copy_(v)
 
     try:
         plain = observe()
@@ -246,19 +252,42 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
         runs = plan.runs(workload.model)
     finally:
         plan.remove(workload.model)
+    return verification_of(
+        plan,
+        traced,
+        runs,
+        (equal, count, mismatched),
+        (state_equal, num_state, state_mismatched),
+        (plain_s, planned_s),
+    )
+
+
+Compared = tuple[bool, int, tuple[str, ...]]
+"""(all bitwise equal, how many values, the names that differ)."""
+
+
+def verification_of(
+    plan: Plan,
+    traced: Ledger,
+    runs: dict[Any, int],
+    gradients: Compared,
+    state: Compared,
+    seconds: tuple[float | None, float | None] = (None, None),
+) -> Verification:
+    """What the re-traced step ``traced``, the recomputations counted (``runs``) and the comparisons showed."""
     predicted = plan.predicted_peak_bytes if plan.predicted_peak_bytes is not None else traced.peak().bytes
     return Verification(
         traced=traced.summary(),
         predicted_peak_bytes=predicted,
         traced_peak_bytes=traced.peak().bytes,
         budget_bytes=plan.budget_bytes,
-        gradients_bitwise_equal=equal,
-        num_gradients=count,
-        mismatched=mismatched,
-        state_bitwise_equal=state_equal,
-        num_state=num_state,
-        mismatched_state=state_mismatched,
+        gradients_bitwise_equal=gradients[0],
+        num_gradients=gradients[1],
+        mismatched=gradients[2],
+        state_bitwise_equal=state[0],
+        num_state=state[1],
+        mismatched_state=state[2],
         not_run=tuple(r.label for r, n in runs.items() if n == 0),
-        plain_step_seconds=plain_s,
-        planned_step_seconds=planned_s,
+        plain_step_seconds=seconds[0],
+        planned_step_seconds=seconds[1],
     )

@@ -134,12 +134,20 @@ class _Recorder(TorchDispatchMode):
         return None  # keep nothing: tensors live only as long as Python holds them
 
 
-def record_forward(workload: Workload, *, repeats: int = 7) -> ForwardRecord:
+def record_forward(workload: Workload, *, repeats: int = 7, fake: bool = False) -> ForwardRecord:
     """Run the step's forward (model and loss) ``repeats + 1`` times with autograd saving nothing.
 
     The first run warms up; per-op times are medians of the others. Nothing is updated (no backward, no
     optimizer step); BatchNorm running statistics are restored afterwards.
+
+    ``fake``: run once on fake tensors (as ``trace(fake=True)``): lifetimes, savers and FLOPs are exact,
+    the times are those of fake kernels (nothing is computed) and mean nothing.
     """
+    if fake:
+        from trainledger.trace._fake import fake_workload
+
+        with fake_workload(workload) as (twin, mode), mode:
+            return record_forward(twin, repeats=0)
     model = workload.model
     buffers = {k: v.clone() for k, v in model.state_dict().items() if not isinstance(v, nn.Parameter)}
     roots = [("", model)] + ([("reference", workload.reference)] if workload.reference is not None else [])

@@ -1,0 +1,224 @@
+"""Plans at full size: a step traced on fake tensors, a budget per rank of a sharded step, and the proof.
+
+A model too large to run here is traced on fake tensors (``trace(workload, fake=True)``): every byte is
+exact, but nothing is computed, so the candidates' costs are FLOPs (``torch.utils.flop_counter``'s
+formulas, op by op) and never seconds. With data-parallel sharding (ZeRO, FSDP) the budget is what one
+rank holds: each plan is replayed on the plain step's ledger, and the replayed ledger is sharded
+(:func:`trainledger.shard.shard`); the plan must fit the peak of the fullest rank.
+
+The solvers work on the unsharded step. Sharding takes persistent state off each rank (nearly the same
+bytes whatever is recomputed) and adds communication buffers, so an unsharded budget is found that makes
+the sharded peak fit: start at the per-rank budget plus what sharding took off the plain step, and lower it
+by the overshoot until the sharded replay fits (:func:`solve_per_rank`).
+
+Verification at full size (:func:`verify_fake`) applies the plan to the fake model, traces the step again
+on fake tensors, shards it the same way and compares the traced peak per rank with the prediction.
+Gradients cannot be compared on fake tensors; they are compared bit for bit on a small real instance of
+the same architecture, with the same plan by module path and policy (:func:`plan_for_instance`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from trainledger.ledger import Ledger
+from trainledger.remat._candidates import replay
+from trainledger.remat._plan import Plan, Region, structure_fingerprint
+from trainledger.remat._planner import InfeasibleBudget, Planner, _both
+from trainledger.remat._solvers import Solution, SolverName, min_peak
+from trainledger.remat._verify import Compared, Verification, compare_gradients, compare_state, verification_of
+from trainledger.shard import Strategy, shard
+from trainledger.workload import Workload
+
+_MAX_ROUNDS = 8
+"""Rounds of lowering the unsharded budget by the sharded overshoot (two suffice on the models seen)."""
+_BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharding:
+    """How the step is spread over data-parallel ranks (``world_size=1``: not at all).
+
+    Example:
+        >>> Sharding().trivial, Sharding(world_size=8, strategy="zero3").trivial
+        (True, False)
+    """
+
+    world_size: int = 1
+    """Data-parallel ranks."""
+    strategy: Strategy = "zero0"
+    """A ZeRO stage or FSDP strategy (:data:`trainledger.shard.STRATEGIES`)."""
+
+    @property
+    def trivial(self) -> bool:
+        return self.world_size == 1 and self.strategy == "zero0"
+
+    def rank_ledger(self, ledger: Ledger) -> Ledger:
+        """The ledger of the rank whose peak is highest (``ledger`` itself when nothing is sharded)."""
+        if self.trivial:
+            return ledger
+        ranks = shard(ledger, world_size=self.world_size, strategy=self.strategy).rank_classes()
+        return max((led for *_, led in ranks), key=lambda led: led.peak().bytes)
+
+    def label(self) -> str:
+        return "one process" if self.trivial else f"{self.strategy} over {self.world_size} ranks"
+
+
+@dataclass(frozen=True)
+class RankPlanner:
+    """A planner whose solvers see the fullest rank's memory, with the figures every budget needs."""
+
+    planner: Planner
+    """The unsharded step's planner (its ledger is what plans are replayed on)."""
+    rank: Planner
+    """The same candidates, the linear model's plain live bytes those of the fullest rank."""
+    sharding: Sharding
+    plain_rank_bytes: int
+    """The plain step's peak on the fullest rank."""
+    floor_plan: Plan
+    """The lowest-peak plan on the fullest rank (predicted on the unsharded step)."""
+    floor_rank_bytes: int
+    """Its peak on the fullest rank: the floor per rank."""
+
+    @classmethod
+    def of(cls, planner: Planner, sharding: Sharding) -> RankPlanner:
+        """Sharding keeps the step's event clock and shards persistent state, not activations, so what each
+        candidate changes (the linear model's ``delta``) is the same on every rank; only the plain step's
+        live bytes (``base``, every candidate's recomputation laid out) differ. The floor is solved again."""
+        import numpy as np
+
+        cs = planner.candidates
+        laid_out = replay(cs, [], phantoms=range(len(cs.candidates)))
+        base = np.asarray(sharding.rank_ledger(laid_out).totals(), dtype=np.int64)
+        assert base.shape == planner.model.base.shape, (base.shape, planner.model.base.shape)
+        model = replace(planner.model, base=base)
+        floor, choice = min_peak(model)
+        rank = replace(planner, model=model, floor_bytes=floor, floor_choice=choice)
+        floor_plan = rank.to_plan(_floor_solution(rank), budget_bytes=None)
+        return cls(
+            planner,
+            rank,
+            sharding,
+            sharding.rank_ledger(planner.plain).peak().bytes,
+            floor_plan,
+            sharding.rank_ledger(floor_plan.predicted).peak().bytes,  # type: ignore[arg-type]
+        )
+
+
+def solve_per_rank(
+    planner: Planner,
+    budget_bytes: int,
+    sharding: Sharding,
+    *,
+    solver: SolverName = "auto",
+    time_limit_s: float = 20.0,
+    rank_planner: RankPlanner | None = None,
+) -> Plan:
+    """The cheapest plan found whose predicted peak on the fullest rank is within ``budget_bytes``.
+
+    The solvers run on :class:`RankPlanner` (``rank_planner``: made once for several budgets); each plan is
+    then replayed on the plain step and sharded, and the budget lowered by any overshoot until the sharded
+    replay fits. The returned plan's ``budget_bytes``, ``plain_peak_bytes``, ``predicted_peak_bytes``,
+    ``floor_bytes`` and ``predicted`` are those of the fullest rank.
+
+    Raises:
+        InfeasibleBudget: even the lowest-peak plan exceeds the budget on the fullest rank (its floor is
+            per rank).
+    """
+    if sharding.trivial:
+        return planner.solve(budget_bytes, solver=solver, time_limit_s=time_limit_s)
+    rp = rank_planner if rank_planner is not None else RankPlanner.of(planner, sharding)
+    floor_rank = rp.floor_rank_bytes
+    per_rank = {"plain_peak_bytes": rp.plain_rank_bytes, "floor_bytes": floor_rank, "budget_bytes": budget_bytes}
+    if budget_bytes >= rp.plain_rank_bytes:
+        return _on_rank(planner.solve(planner.plain_peak_bytes), sharding, per_rank)
+    if budget_bytes < floor_rank:
+        best = _on_rank(rp.floor_plan, sharding, per_rank)
+        raise InfeasibleBudget(
+            f"budget {_both(budget_bytes)} per rank is below the floor {_both(floor_rank)}: the lowest peak any "
+            f"plan reaches on the fullest rank ({sharding.label()}); the best plan recomputes "
+            f"{len(best.regions)} regions; raise the budget, add ranks or shard more (--stage 3)",
+            budget_bytes=budget_bytes,
+            floor_bytes=floor_rank,
+            best=best,
+        )
+    target = budget_bytes
+    for _ in range(_MAX_ROUNDS):
+        target = max(target, rp.rank.floor_bytes)
+        p = _on_rank(rp.rank.solve(target, solver=solver, time_limit_s=time_limit_s), sharding, per_rank)
+        over = (p.predicted_peak_bytes or 0) - budget_bytes
+        if over <= 0:
+            return p
+        if target == rp.rank.floor_bytes:
+            break
+        target -= over
+    return _on_rank(rp.floor_plan, sharding, per_rank)  # the floor fits (checked above)
+
+
+def _floor_solution(planner: Planner) -> Solution:
+    choice = planner.floor_choice
+    return Solution(choice, planner.floor_bytes, planner.model.total_cost(choice), "milp", True)
+
+
+def _on_rank(p: Plan, sharding: Sharding, per_rank: dict[str, int]) -> Plan:
+    assert p.predicted is not None
+    rank = sharding.rank_ledger(p.predicted)
+    note = f"budget, peaks and floor are those of the fullest rank of the step sharded as {sharding.label()}"
+    return replace(p, **per_rank, predicted_peak_bytes=rank.peak().bytes, predicted=rank, notes=(*p.notes, note))
+
+
+def verify_fake(workload: Workload, plan: Plan, sharding: Sharding, *, small: Workload | None = None) -> Verification:
+    """Apply ``plan`` to the fake ``workload``, trace its step again on fake tensors, shard it as the plan
+    was made, and compare the fullest rank's traced peak with the prediction; gradients and state are
+    compared on ``small``, a real instance of the same architecture (see :func:`plan_for_instance`).
+
+    Without ``small`` nothing is compared: the counts are 0 and the comparison reads as not failed.
+    """
+    from trainledger.trace import trace
+
+    model = workload.model
+    plan.apply(model)
+    try:
+        traced = trace(workload, fake=True)
+        runs = plan.runs(model)
+    finally:
+        plan.remove(model)
+    gradients: Compared = (True, 0, ())
+    state: Compared = (True, 0, ())
+    if small is not None:
+        small_plan = plan_for_instance(plan, small.model)
+        gradients, state = compare_gradients(small, small_plan), compare_state(small, small_plan)
+    return verification_of(plan, sharding.rank_ledger(traced), runs, gradients, state)
+
+
+def plan_for_instance(plan: Plan, model: nn.Module) -> Plan:
+    """``plan`` for another instance of the same architecture with fewer blocks: each region keeps its
+    module path and policy, with its block index taken modulo the instance's depth (block ``i`` of the
+    full model is block ``i mod d``), so every kind of decision the plan makes runs on the instance. A
+    region that lands on a block already taken (or inside or around a region kept) is left out.
+
+    Example:
+        >>> from trainledger.examples import gpt_tiny
+        >>> m = gpt_tiny().model
+        >>> p = Plan(regions=(Region("blocks.5"), Region("blocks.3", "selective")), fingerprint="")
+        >>> [r.label for r in plan_for_instance(p, m).regions]
+        ['blocks.1', 'blocks.3 (selective)']
+    """
+    modules = dict(model.named_modules())
+    regions: dict[str, Region] = {}
+    for r in plan.regions:
+        path = r.path
+        m = _BLOCK_INDEX.search(path)
+        if m is not None:
+            prefix = path[: m.start()]
+            stack = modules.get(prefix)
+            depth = len(stack) if isinstance(stack, (nn.ModuleList, nn.Sequential)) else 0
+            if depth:
+                path = f"{prefix}.{int(m.group(1)) % depth}{path[m.end() :]}"
+        nested = any(path.startswith(k + ".") or k.startswith(path + ".") for k in regions)
+        if path in modules and path not in regions and not nested:
+            regions[path] = replace(r, path=path)
+    return replace(plan, regions=tuple(regions.values()), fingerprint=structure_fingerprint(model), predicted=None)
