@@ -136,7 +136,7 @@ def overhead(name: str) -> dict:
                 times["memtracker"].append(_timed(under_memtracker))
             except Exception as exc:  # report, do not hide: MemTracker fails on some models
                 memtracker_error = f"fails: {type(exc).__name__}"
-    out: dict = {"model": name, "events": trace(w).num_events, "source": str(Path(trainledger.__file__).parent)}
+    out: dict = {"model": name, "events": trace(w).num_events, "source": _source_label(trainledger.__file__)}
     out.update({f"{k}_s": statistics.median(v) for k, v in times.items() if v})
     out["trace_first_s"] = first
     if memtracker_error is not None:
@@ -163,6 +163,12 @@ def _extract_src(revision: str, into: str) -> str:
     with tarfile.open(path) as tar:
         tar.extractall(into, filter="data")
     return str(Path(into) / "src")
+
+
+def _source_label(module_file: str) -> str:
+    """Which code ran, without a path of the machine: this checkout's, or a revision's extracted copy."""
+    here = Path(__file__).resolve().parent.parent
+    return "this checkout" if Path(module_file).resolve().is_relative_to(here) else "an extracted revision"
 
 
 def _ms(seconds: float) -> str:
