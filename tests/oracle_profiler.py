@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -21,15 +23,24 @@ def oracle(name: str) -> dict[str, int]:
         from trainledger import examples
         from trainledger.workload import run_step
 
-        w = examples.build(name)
-        run_step(w)
-        gc.collect()
-        gc.disable()
-        with record_function("oracle.step"):
-            run_step(w)
-        gc.enable()
+        two_steps(examples.build(name), run_step)
+    return {"peak_bytes": window_peak(prof)}
+
+
+def two_steps(workload: Any, run_step: Callable[[Any], None]) -> None:
+    """A warm-up step, then the step whose peak is counted, in the ``oracle.step`` window."""
+    run_step(workload)
+    gc.collect()
+    gc.disable()
+    with record_function("oracle.step"):
+        run_step(workload)
+    gc.enable()
+
+
+def window_peak(prof: profile, window_name: str = "oracle.step") -> int:
+    """The largest running sum of allocation events inside the ``record_function(window_name)`` window."""
     events = prof.profiler.kineto_results.events()
-    window = next(e for e in events if e.name() == "oracle.step")
+    window = next(e for e in events if e.name() == window_name)
     t0, t1 = window.start_ns(), window.start_ns() + window.duration_ns()
     mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     run = peak = 0
@@ -37,7 +48,7 @@ def oracle(name: str) -> dict[str, int]:
         run += e.nbytes()
         if t0 <= e.start_ns() <= t1:
             peak = max(peak, run)
-    return {"peak_bytes": peak}
+    return peak
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from torch import nn
 
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
+from trainledger.remat._policy_file import on_a_copy_when_recomputed
 
 PLAN_SCHEMA = "trainledger.remat-plan/1"
 Policy = Literal["full", "selective"]
@@ -216,6 +217,19 @@ class Plan:
             out[r] = 0 if st is None else st.ran.get(r.call, 0)
         return out
 
+    def export_policy(self, path: str | Path, *, command: str = "") -> None:
+        """Write this plan as a Python file that needs only torch: its regions as data, the selective
+        ``policy_fn``, and ``apply(model)``/``remove(model)`` that wrap forwards exactly as :meth:`apply` does.
+
+        Example (the second line in the training script, where trainledger need not be installed)::
+
+            plan.export_policy("remat_policy.py")
+            import remat_policy; remat_policy.apply(model)
+        """
+        from trainledger.remat._export import export_policy
+
+        export_policy(self, path, saved_op_names=SAVED_OP_NAMES, command=command)
+
     # --- JSON ---------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -360,7 +374,7 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         if region is None or not torch.is_grad_enabled():  # not this call; or nothing to save (no_grad)
             return inner(*args, **kwargs)
         st.ran[region.call] = st.ran.get(region.call, 0) + 1
-        fn = _on_a_copy_when_recomputed(model, region.restore, inner) if region.restore else inner
+        fn = on_a_copy_when_recomputed(model, region.restore, inner) if region.restore else inner
         context_fn = _context_fn(region.policy)
         extra = {} if context_fn is None else {"context_fn": context_fn, **_sac_hooks_argument()}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
@@ -368,37 +382,3 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
     module.__dict__[_STATE] = st
     module.__dict__["forward"] = forward
     return st
-
-
-def _on_a_copy_when_recomputed(
-    model: nn.Module, names: tuple[str, ...], inner: Callable[..., Any]
-) -> Callable[..., Any]:
-    """``inner`` for a checkpoint whose forward updates buffers in place: the first run (forward) updates
-    them as usual; the recomputation runs on a copy of them as they were before, so they are updated once.
-
-    The copy is made before the call (no op may run inside a selective checkpoint's recomputation that
-    its forward did not run). A second backward through the same graph would recompute on the copy as
-    the first recomputation left it.
-    """
-    slots = []
-    for name in names:
-        path, _, attr = name.rpartition(".")
-        slots.append((model.get_submodule(path) if path else model, attr))
-    before = [owner._buffers[attr].clone() for owner, attr in slots]  # the state this call starts from
-    ran = False
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal ran
-        if not ran:
-            ran = True
-            return inner(*args, **kwargs)
-        current = [owner._buffers[attr] for owner, attr in slots]
-        for (owner, attr), t in zip(slots, before, strict=True):
-            owner._buffers[attr] = t
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            for (owner, attr), t in zip(slots, current, strict=True):
-                owner._buffers[attr] = t
-
-    return run

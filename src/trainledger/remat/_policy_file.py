@@ -1,0 +1,147 @@
+"""An activation checkpointing plan, to run without trainledger: ``apply(model)`` and ``remove(model)``.
+
+``apply`` wraps the ``forward`` of each module in ``REGIONS`` in non-reentrant
+``torch.utils.checkpoint.checkpoint`` (RNG state preserved, so dropout draws the same masks when
+recomputed). A ``selective`` region keeps the outputs of the ops in ``SAVED_OP_NAMES`` (matmuls,
+convolutions, attention) and recomputes the rest (``create_selective_checkpoint_contexts(policy_fn)``).
+A region with a call number checkpoints only that call of a module run several times per step (counted
+from 0 in each forward of the model). A region that lists buffers recomputes on a copy of them as they
+were before the call, so in-place updates (a BatchNorm's running statistics) happen once per call.
+
+Usage:
+    import remat_policy
+    remat_policy.apply(model)   # before the first step; torch.compile after, if you compile
+    ...train...
+    remat_policy.remove(model)  # the original forwards back
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# (module path, policy, call (None: every call), calls of the module per step, buffers restored)
+REGIONS: list[tuple[str, str, int | None, int, tuple[str, ...]]] = []  # the plan's regions
+
+# Ops whose outputs a selective region keeps; everything else is recomputed during backward.
+SAVED_OP_NAMES: frozenset[str] = frozenset()  # the plan's saved ops
+
+_STATE = "_remat_policy_state"
+_HOOK = "_remat_policy_hook"
+
+
+def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective policy, in the form ``create_selective_checkpoint_contexts`` takes."""
+    name = str(getattr(op, "overloadpacket", op))
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OP_NAMES else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context_fn() -> Any:
+    """``context_fn`` for ``checkpoint(..., context_fn=context_fn)`` in a selective region."""
+    return create_selective_checkpoint_contexts(policy_fn)
+
+
+# Newer torch asks whether a selective region's saved tensors go through saved-tensor hooks; every torch
+# so far bypasses them; say so explicitly where the argument exists.
+_SAC_EXTRA = (
+    {"respect_saved_tensors_hooks": False}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    else {}
+)
+
+
+def _in_backward() -> bool:
+    """Autograd is running a node: a module called now is being recomputed."""
+    return torch._C._current_autograd_node() is not None
+
+
+def apply(model: nn.Module) -> None:
+    """Make ``model`` recompute the regions (in place; undo with :func:`remove`)."""
+    if _HOOK in model.__dict__:
+        raise RuntimeError("the model already runs under this policy; call remove(model) first")
+    by_path: dict[str, dict[int | None, tuple]] = {}
+    for region in REGIONS:
+        by_path.setdefault(region[0], {})[region[2]] = region
+    states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
+
+    def new_forward_of_the_model(_module: nn.Module, _args: Any) -> None:
+        if not _in_backward():  # call numbers restart with each forward of the model
+            for state in states:
+                state["count"] = 0
+
+    model.__dict__[_HOOK] = model.register_forward_pre_hook(new_forward_of_the_model)
+
+
+def remove(model: nn.Module) -> None:
+    """Restore the original ``forward`` of every wrapped module."""
+    hook = model.__dict__.pop(_HOOK, None)
+    if hook is not None:
+        hook.remove()
+    for path in dict.fromkeys(region[0] for region in REGIONS):
+        module = model.get_submodule(path)
+        state = module.__dict__.pop(_STATE, None)
+        if state is None:
+            continue
+        if state["original"] is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = state["original"]
+
+
+def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple]) -> dict[str, Any]:
+    inner = module.forward
+    state = {
+        "original": module.__dict__.get("forward"),
+        "num_calls": max(r[3] for r in regions.values()),
+        "count": 0,
+    }
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if _in_backward():  # a recomputation: run as it is
+            return inner(*args, **kwargs)
+        index = state["count"] % state["num_calls"]
+        state["count"] += 1
+        region = regions.get(index, regions.get(None))
+        if region is None or not torch.is_grad_enabled():  # not this call, or nothing to save
+            return inner(*args, **kwargs)
+        _path, policy, _call, _num_calls, restore = region
+        fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
+        extra = {} if policy == "full" else {"context_fn": context_fn, **_SAC_EXTRA}
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    module.__dict__[_STATE] = state
+    module.__dict__["forward"] = forward
+    return state
+
+
+def on_a_copy_when_recomputed(model: nn.Module, names: tuple[str, ...], inner: Any) -> Any:
+    """``inner`` whose first run updates the buffers ``names`` as usual and whose recomputation runs on a
+    copy of them as they were before the call (made before it: a selective recomputation may run no op its
+    forward did not)."""
+    slots = []
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        slots.append((model.get_submodule(path) if path else model, attr))
+    before = [owner._buffers[attr].clone() for owner, attr in slots]
+    first = [True]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if first[0]:
+            first[0] = False
+            return inner(*args, **kwargs)
+        current = [owner._buffers[attr] for owner, attr in slots]
+        for (owner, attr), t in zip(slots, before, strict=True):
+            owner._buffers[attr] = t
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for (owner, attr), t in zip(slots, current, strict=True):
+                owner._buffers[attr] = t
+
+    return run
