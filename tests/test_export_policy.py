@@ -144,3 +144,28 @@ def test_exported_policy_restores_buffers_as_the_plan_does(tmp_path):
     exported = load(path)
     assert traced_peak(w, exported) == traced_peak(w, plan)
     assert remat.compare_state(w, exported)[0]  # a whole step, buffers and optimizer state included
+
+
+@pytest.mark.parametrize("name", ["remat-policy.py", "policy.txt", "missing/policy.py"])
+def test_cli_refuses_a_policy_path_before_any_work(tmp_path, capsys, name):
+    from trainledger.cli import main
+
+    args = ["plan", "--model", "gpt-tiny", "--budget", "60%", "--export-policy", str(tmp_path / name)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "policy file" in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_cli_writes_the_policy_with_the_command_that_made_it(tmp_path, capsys):
+    from trainledger.cli import main
+
+    path = tmp_path / "remat_policy.py"
+    assert (
+        main(["plan", "--model", "gpt-tiny", "--budget", "60%", "--cost", "flops", "--export-policy", str(path)]) == 0
+    )
+    assert f"wrote {path}" in capsys.readouterr().out.replace("\n", "")
+    text = path.read_text()
+    assert "# made by: trainledger plan --model gpt-tiny --budget 60% --cost flops\n" in text
+    assert load(path).REGIONS

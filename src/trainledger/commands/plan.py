@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shlex
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -53,6 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--solver", default="auto", choices=SOLVERS, help=f"one of {', '.join(SOLVERS)} (default auto)")
     add_cost_flag(p)
     p.add_argument("--save", metavar="FILE", help="write the plan as JSON (apply it later with Plan.load)")
+    p.add_argument(
+        "--export-policy",
+        metavar="FILE.py",
+        help="write the plan as a Python module that needs only torch: import it, call apply(model)",
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
@@ -80,11 +86,39 @@ def compute(args: argparse.Namespace) -> PlanResult:
     budget = Budget.parse(args.budget)  # before the step is traced
     if args.save:
         check_output_path(args.save, (".json",), what="plan", protect=input_paths(args))
+    if args.export_policy:
+        check_policy_path(args)
     if full_size(args):
         return compute_fake(args, budget)
     require_model(args)
     workload = load_workload(args.model)
     return plan_and_verify(workload, budget, solver=args.solver, cost=args.cost or "seconds", verify=args.verify)
+
+
+def check_policy_path(args: argparse.Namespace) -> None:
+    """``--export-policy``: a writable ``.py`` path whose name can be imported."""
+    path = check_output_path(args.export_policy, (".py",), what="policy file", protect=input_paths(args))
+    if not path.stem.isidentifier():
+        raise InputError(
+            f"policy file name {path.name!r} cannot be imported (`import {path.stem}`); "
+            "use letters, digits and _, as in remat_policy.py"
+        )
+
+
+# Flags left out of the command line written into an exported policy file: outputs, and defaults.
+_NOT_THE_PLAN = ("run", "command", "json", "save", "export_policy", "verify")
+_FLAG_DEFAULTS = {"world": 1, "stage": "0", "solver": "auto"}
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``trainledger plan`` command that makes this plan (the flags that were given, not defaults)."""
+    parts = ["trainledger", "plan"]
+    for key, value in vars(args).items():
+        if key in _NOT_THE_PLAN or value is None or value is False or _FLAG_DEFAULTS.get(key) == value:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, str(value)]
+    return shlex.join(parts)
 
 
 def full_size(args: argparse.Namespace) -> bool:
@@ -158,10 +192,12 @@ def run(args: argparse.Namespace) -> int:
     result = compute(args)
     if args.save:
         result.plan.save(args.save)
+    if args.export_policy:
+        result.plan.export_policy(args.export_policy, command=command_line(args))
     if args.json:
         print_json(result.to_dict())
     else:
-        render(result, make_console(), saved=args.save)
+        render(result, make_console(), saved=", ".join(f for f in (args.save, args.export_policy) if f))
     v = result.verification
     return 1 if v is not None and not v.passed else 0
 
