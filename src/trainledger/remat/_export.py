@@ -32,7 +32,7 @@ def policy_source(plan: Any, *, saved_op_names: frozenset[str], command: str = "
 
 def _header(plan: Any, command: str) -> str:
     def size(nbytes: int | None) -> str:
-        return "not saved" if nbytes is None else f"{nbytes:,} bytes ({nbytes / 2**30:.3f} GiB)"
+        return "not saved" if nbytes is None else f"{nbytes:,} bytes ({nbytes / 2**20:,.1f} MiB)"
 
     lines = [
         "Activation checkpointing plan exported by trainledger; needs only torch.",
