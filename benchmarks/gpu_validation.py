@@ -267,6 +267,19 @@ def _fully_shard(model: torch.nn.Module, device: str) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def _without_leftover_group(step: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``step()``, and the process group of one that FSDP2's workload started destroyed afterwards, so the
+    next workload (or whatever else runs in this process) starts without one."""
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        return step()
+    finally:
+        if dist.is_available() and dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+
+
 def run_case(case: Case, *, dry: bool) -> dict[str, Any]:
     """One workload: the prediction on the CPU, then the step on the GPU (on the CPU with ``dry``)."""
     start = time.perf_counter()
@@ -274,7 +287,7 @@ def run_case(case: Case, *, dry: bool) -> dict[str, Any]:
     predicted, plan = predict(case, dry)
     row.update(predicted)
     device = "cpu" if dry else "cuda"
-    measured = on_device(case, dry, device, plan)
+    measured = _without_leftover_group(lambda: on_device(case, dry, device, plan))
     row.update(measured if not dry else {"dry_" + k: v for k, v in measured.items()})
     row["seconds"] = time.perf_counter() - start
     return row
