@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trainledger.analytic import RECIPES, FitOptions, FitResult, Setup, fit
+from trainledger.analytic import RECIPES, Candidate, FitOptions, FitResult, Setup, fit, with_traced_peaks
 from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
 from trainledger.commands.estimate import add_setup_flags, check_analytic_family, check_lora_flags, setup_from
 from trainledger.errors import InputError
@@ -44,6 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--link-gbps", type=positive_float, default=400.0, help="per-rank Gbit/s for data parallelism (default 400)"
     )
     p.add_argument("--top", type=positive_int(), default=12, help="rows of each table (default 12)")
+    p.add_argument(
+        "--traced-top",
+        type=positive_int(minimum=0),
+        default=5,
+        metavar="N",
+        help="trace the N best configurations at full size on fake tensors and rank by the traced peak "
+        "(default 5; 0: analytic only)",
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
@@ -73,7 +83,62 @@ def compute(args: argparse.Namespace) -> FitResult:
         reserve_bytes=args.reserve or 0,
     )
     check_analytic_family(args.hf_config)
-    return fit(args.hf_config, options, base)
+    result = fit(args.hf_config, options, base)
+    return trace_top(result, args.traced_top) if args.traced_top else result
+
+
+def trace_top(result: FitResult, num_top: int, *, progress: Any = None) -> FitResult:
+    """``result`` with its ``num_top`` best configurations traced at full size on fake tensors (a few layers,
+    extended to the config's depth) and sharded as each says, the ranking using the traced peaks.
+
+    A configuration that the traced peak pushes out of the device is replaced by the next best, which is
+    traced in turn. Configurations that differ only in ZeRO stage share one trace (sharding is a transform
+    of the traced ledger)."""
+    traces: dict[tuple[int, str, str], Any] = {}
+    peaks: dict[tuple[int, str, str, str], int] = {}
+    why_not: dict[str, str] = {}
+    while todo := [c for c in result.fitting[:num_top] if c.key not in peaks and c.remat not in why_not]:
+        for c in todo:
+            setup = replace(result.base, micro_batch=c.micro_batch, remat=c.remat, recipe=c.recipe)
+            why = _untraceable(setup)
+            if why is not None:
+                why_not[c.remat] = why
+                continue
+            step = (c.micro_batch, c.remat, c.recipe)
+            if step not in traces:
+                traces[step] = _trace_setup(result.config, setup, progress)
+            peaks[c.key] = _rank0_peak(traces[step], result.options.world, c.stage)
+        result = with_traced_peaks(result, peaks)
+    note = (
+        f"traced peak: the step traced at full size on fake tensors ({len(traces)} traces, each a few layers deep "
+        "extended to the config's depth), rank 0 under the row's ZeRO stage; it decides what fits"
+    )
+    return replace(result, notes=(*result.notes, note, *sorted(set(why_not.values()))))
+
+
+def _untraceable(setup: Setup) -> str | None:
+    if setup.tensor_parallel > 1 or setup.pipeline_parallel > 1:
+        return "not traced: a traced step runs on one device; tensor and pipeline parallelism are analytic only"
+    if setup.remat == "selective":
+        return "not traced: selective recomputation is the analytic model's alone"
+    return None
+
+
+def _trace_setup(config: dict[str, Any], setup: Setup, progress: Any) -> Any:
+    from trainledger.commands._stacked import trace_hf_stacked
+    from trainledger.hf import workload_from_setup
+
+    ledger, _ = trace_hf_stacked(config, lambda cfg: workload_from_setup(cfg, setup, fake=True), progress=progress)
+    return ledger
+
+
+def _rank0_peak(ledger: Any, world: int, stage: str) -> int:
+    if world == 1:
+        return ledger.peak().bytes
+    from trainledger.shard import ShardConfig, shard
+
+    res = shard(ledger, ShardConfig(world_size=world, strategy=stage, engine="deepspeed"))  # type: ignore[arg-type]
+    return res.ranks[0].peak().bytes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,21 +157,7 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
         f"{result.source}: {result.num_params:,} parameters, {b.seq_len} tokens per sequence, {b.optimizer}, "
         f"{b.attn_impl}, {o.world} data-parallel rank(s), {both_units(usable)} usable per device"
     )
-    fits = Table(title="fits (best first; cost per token relative to the best)", title_justify="left")
-    for col in ("#", "micro-batch", "ZeRO", "remat", "precision", "predicted peak", "free", "rel. cost", "peak in"):
-        fits.add_column(col, justify="right" if col not in ("ZeRO", "remat", "precision", "peak in") else "left")
-    for i, c in enumerate(result.fitting[:top], 1):
-        fits.add_row(
-            str(i),
-            str(c.micro_batch),
-            c.stage[-1],
-            c.remat,
-            c.recipe,
-            _gib(c.peak_bytes),
-            _gib(usable - c.peak_bytes),
-            f"{c.relative_cost:.2f}",
-            c.peak_phase,
-        )
+    fits = _fits_table(result, usable, top)
     items: list[object] = [head]
     if result.fitting:
         items.append(fits)
@@ -138,8 +189,28 @@ def render(result: FitResult, console: Console, *, top: int = 12) -> None:
                 f"communication at {o.tflops:g} TFLOP/s and {o.link_gbps:g} Gbit/s; a micro-batch is listed "
                 "as overflowing once, the larger ones are not tried",
                 "allocator rounding and fragmentation are not modelled: keep some headroom (--reserve)",
+                *result.notes,
                 UNITS_NOTE,
             ]
         )
     )
     print_renderables(*items, console=console)
+
+
+def _fits_table(result: FitResult, usable: int, top: int) -> Table:
+    """The configurations that fit; a traced-peak column where any was traced (free memory then follows it)."""
+    traced = any(c.traced_peak_bytes is not None for c in result.fitting)
+    fits = Table(title="fits (best first; cost per token relative to the best)", title_justify="left")
+    columns = ["#", "micro-batch", "ZeRO", "remat", "precision", "predicted peak"]
+    columns += ["traced peak"] if traced else []
+    for col in (*columns, "free", "rel. cost", "peak in"):
+        fits.add_column(col, justify="right" if col not in ("ZeRO", "remat", "precision", "peak in") else "left")
+    for i, c in enumerate(result.fitting[:top], 1):
+        cells = [str(i), str(c.micro_batch), c.stage[-1], c.remat, c.recipe, _gib(c.peak_bytes)]
+        cells += [_traced_cell(c)] if traced else []
+        fits.add_row(*cells, _gib(usable - c.ranked_peak_bytes), f"{c.relative_cost:.2f}", c.peak_phase)
+    return fits
+
+
+def _traced_cell(c: Candidate) -> str:
+    return "—" if c.traced_peak_bytes is None else _gib(c.traced_peak_bytes)
