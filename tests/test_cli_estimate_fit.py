@@ -85,8 +85,21 @@ def test_estimate_human_output(cli):
 
 
 def test_fit_answers_with_configurations_that_fit(cli_json):
-    d = cli_json("fit", "--hf-config", LLAMA3, "--device-memory", "80GiB", "--world", "8", "--seq-len", "4096")
+    d = cli_json(
+        "fit",
+        "--hf-config",
+        LLAMA3,
+        "--device-memory",
+        "80GiB",
+        "--world",
+        "8",
+        "--seq-len",
+        "4096",
+        "--traced-top",
+        "0",
+    )
     assert d["fits"] and d["does_not_fit"]
+    assert all(c["traced_peak_bytes"] is None for c in (*d["fits"], *d["does_not_fit"]))  # analytic alone
     usable = 80 * 2**30
     assert all(c["peak_bytes"] <= usable for c in d["fits"])
     assert all(c["peak_bytes"] > usable and c["overflow_bytes"] == c["peak_bytes"] - usable for c in d["does_not_fit"])

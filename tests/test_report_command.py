@@ -89,7 +89,7 @@ DETERMINISTIC = {
     "state-model": ("state", "--model", "seed-423"),
     "state-params": ("state", "--params", "1e9", "--master", "fp32"),
     "estimate": ("estimate", "--hf-config", LLAMA, "--world", "4", "--stage", "2"),
-    "fit": ("fit", "--hf-config", LLAMA, "--device-memory", "2GiB", "--world", "2"),
+    "fit": ("fit", "--hf-config", LLAMA, "--device-memory", "2GiB", "--world", "2", "--traced-top", "1"),
     "shard-params-all": (
         *("shard", "--params", "7.5e9", "--weights", "fp16", "--master", "fp32", "--grads", "fp16"),
         *("--world", "64", "--stage", "all", "--link-gbps", "100"),

@@ -99,6 +99,20 @@ class Candidate:
     that does not fit (nothing to compare it with)."""
     reserved_bytes: int | None = None
     """Predicted ``max_memory_reserved`` (``budget_on="reserved"``); ``None``: not predicted."""
+    traced_peak_bytes: int | None = None
+    """Rank 0's peak of the step traced at full size on fake tensors and sharded as this configuration says
+    (evidence traced); ``None`` where it was not traced. Where present, it decides whether the configuration
+    fits and orders equal costs."""
+
+    @property
+    def key(self) -> tuple[int, str, str, str]:
+        """``(micro_batch, stage, remat, recipe)``: the configuration, without its figures."""
+        return self.micro_batch, self.stage, self.remat, self.recipe
+
+    @property
+    def ranked_peak_bytes(self) -> int:
+        """The peak the ranking uses: the traced one where it exists, the analytic one otherwise."""
+        return self.peak_bytes if self.traced_peak_bytes is None else self.traced_peak_bytes
 
     @property
     def largest_at_peak(self) -> tuple[str, int]:
@@ -121,6 +135,7 @@ class Candidate:
             "seconds_per_token": self.seconds_per_token,
             "relative_cost": self.relative_cost,
             "reserved_bytes": self.reserved_bytes,
+            "traced_peak_bytes": self.traced_peak_bytes,
             "largest_at_peak": {"name": self.largest_entry[0], "bytes": self.largest_entry[1]},
         }
 
@@ -143,6 +158,8 @@ class FitResult:
     overflowing: tuple[Candidate, ...]
     config: dict[str, Any]
     """The validated Hugging Face config the search ran on."""
+    notes: tuple[str, ...] = ()
+    """How the traced peaks were obtained, and which configurations could not be traced and why."""
 
     def to_dict(self) -> dict[str, Any]:
         """The best fitting configuration's ledger keys at the top, then every candidate."""
@@ -164,6 +181,7 @@ class FitResult:
                 "config": self.config,
                 "fits": [c.to_dict() for c in self.fitting],
                 "does_not_fit": [c.to_dict() for c in self.overflowing],
+                "notes": list(self.notes),
                 "cost_model": {
                     "tflops": self.options.tflops,
                     "link_gbps": self.options.link_gbps,
@@ -186,6 +204,7 @@ class FitResult:
             fitting=tuple(Candidate.from_dict(c) for c in data["fits"]),
             overflowing=tuple(Candidate.from_dict(c) for c in data["does_not_fit"]),
             config=dict(data["config"]),
+            notes=tuple(data.get("notes", ())),
         )
 
 
@@ -311,8 +330,38 @@ def _step_seconds(
 
 
 def _best_first(fitting: list[Candidate]) -> tuple[Candidate, ...]:
-    """Cheapest per token first (cost relative to the cheapest), the smaller peak first among equals."""
+    """Cheapest per token first (cost relative to the cheapest), the smaller peak first among equals (the
+    traced peak where there is one)."""
     best = min((c.seconds_per_token for c in fitting), default=None)
     if best:
         fitting = [replace(c, relative_cost=c.seconds_per_token / best) for c in fitting]
-    return tuple(sorted(fitting, key=lambda c: (c.relative_cost, c.reserved_bytes or c.peak_bytes)))
+    return tuple(sorted(fitting, key=lambda c: (c.relative_cost, c.reserved_bytes or c.ranked_peak_bytes)))
+
+
+def with_traced_peaks(
+    result: FitResult, peaks: dict[tuple[int, str, str, str], int], notes: tuple[str, ...] = ()
+) -> FitResult:
+    """``result`` with traced peaks (keyed by :attr:`Candidate.key`) beside the analytic ones: a configuration
+    whose traced peak is above the usable memory moves to the ones that do not fit, and the rest are ranked
+    again (costs relative to the best that still fits; the traced peak orders equal costs).
+
+    Example:
+        >>> cfg = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12}
+        >>> r = fit(cfg, FitOptions(device_memory=16 * 2**30, micro_batches=(1,)), Setup(seq_len=1024))
+        >>> best = r.fitting[0]
+        >>> with_traced_peaks(r, {best.key: 17 * 2**30}).overflowing[0].key == best.key
+        True
+    """
+    usable = result.options.device_memory - result.options.reserve_bytes
+    updated = []
+    for c in (*result.fitting, *result.overflowing):
+        traced = peaks.get(c.key, c.traced_peak_bytes)
+        if traced is not None:
+            whole_number(traced, "traced peak (bytes)", minimum=0, limit=MAX_BYTES)
+            c = replace(c, traced_peak_bytes=traced, fits=traced <= usable, overflow_bytes=max(0, traced - usable))
+        updated.append(c)
+    overflowing = sorted(
+        (replace(c, relative_cost=None) for c in updated if not c.fits), key=lambda c: (c.overflow_bytes, c.micro_batch)
+    )
+    fitting = _best_first([c for c in updated if c.fits])
+    return replace(result, fitting=fitting, overflowing=tuple(overflowing), notes=(*result.notes, *notes))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from trainledger.allocator import AllocatorConfig
-from trainledger.analytic import RECIPES, FitOptions, FitResult, Setup, fit
+from trainledger.analytic import RECIPES, Candidate, FitOptions, FitResult, Setup, fit, with_traced_peaks
 from trainledger.commands._gpu import device_line
 from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
 from trainledger.commands.estimate import add_setup_flags, check_analytic_family, check_lora_flags, setup_from
@@ -54,6 +56,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--link-gbps", type=positive_float, default=400.0, help="per-rank Gbit/s for data parallelism (default 400)"
     )
     p.add_argument("--top", type=positive_int(), default=12, help="rows of each table (default 12)")
+    p.add_argument(
+        "--traced-top",
+        type=positive_int(minimum=0),
+        default=5,
+        metavar="N",
+        help="trace the N best configurations at full size on fake tensors and rank by the traced peak "
+        "(default 5; 0: analytic only)",
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
@@ -84,7 +94,62 @@ def compute(args: argparse.Namespace) -> FitResult:
         reserve_bytes=args.reserve or 0,
     )
     check_analytic_family(args.hf_config)
-    return fit(args.hf_config, options, base)
+    result = fit(args.hf_config, options, base)
+    return trace_top(result, args.traced_top) if args.traced_top else result
+
+
+def trace_top(result: FitResult, num_top: int, *, progress: Any = None) -> FitResult:
+    """``result`` with its ``num_top`` best configurations traced at full size on fake tensors (a few layers,
+    extended to the config's depth) and sharded as each says, the ranking using the traced peaks.
+
+    A configuration that the traced peak pushes out of the device is replaced by the next best, which is
+    traced in turn. Configurations that differ only in ZeRO stage share one trace (sharding is a transform
+    of the traced ledger)."""
+    traces: dict[tuple[int, str, str], Any] = {}
+    peaks: dict[tuple[int, str, str, str], int] = {}
+    why_not: dict[str, str] = {}
+    while todo := [c for c in result.fitting[:num_top] if c.key not in peaks and c.remat not in why_not]:
+        for c in todo:
+            setup = replace(result.base, micro_batch=c.micro_batch, remat=c.remat, recipe=c.recipe)
+            why = _untraceable(setup)
+            if why is not None:
+                why_not[c.remat] = why
+                continue
+            step = (c.micro_batch, c.remat, c.recipe)
+            if step not in traces:
+                traces[step] = _trace_setup(result.config, setup, progress)
+            peaks[c.key] = _rank0_peak(traces[step], result.options.world, c.stage)
+        result = with_traced_peaks(result, peaks)
+    note = (
+        f"traced peak: the step traced at full size on fake tensors ({len(traces)} traces, each a few layers deep "
+        "extended to the config's depth), rank 0 under the row's ZeRO stage; it decides what fits"
+    )
+    return replace(result, notes=(*result.notes, note, *sorted(set(why_not.values()))))
+
+
+def _untraceable(setup: Setup) -> str | None:
+    if setup.tensor_parallel > 1 or setup.pipeline_parallel > 1:
+        return "not traced: a traced step runs on one device; tensor and pipeline parallelism are analytic only"
+    if setup.remat == "selective":
+        return "not traced: selective recomputation is the analytic model's alone"
+    return None
+
+
+def _trace_setup(config: dict[str, Any], setup: Setup, progress: Any) -> Any:
+    from trainledger.commands._stacked import trace_hf_stacked
+    from trainledger.hf import workload_from_setup
+
+    ledger, _ = trace_hf_stacked(config, lambda cfg: workload_from_setup(cfg, setup, fake=True), progress=progress)
+    return ledger
+
+
+def _rank0_peak(ledger: Any, world: int, stage: str) -> int:
+    if world == 1:
+        return ledger.peak().bytes
+    from trainledger.shard import ShardConfig, shard
+
+    res = shard(ledger, ShardConfig(world_size=world, strategy=stage, engine="deepspeed"))  # type: ignore[arg-type]
+    return res.ranks[0].peak().bytes
 
 
 def _device_memory(args: argparse.Namespace) -> int:
@@ -120,25 +185,9 @@ def render(result: FitResult, console: Console, *, top: int = 12, device: Device
         + f"{result.source}: {result.num_params:,} parameters, {b.seq_len} tokens per sequence, {b.optimizer}, "
         f"{b.attn_impl}, {o.world} data-parallel rank(s), {both_units(usable)} usable per device"
     )
-    fits = Table(title="fits (best first; cost per token relative to the best)", title_justify="left")
     peak_col = f"predicted peak ({b.device} kernels)"
     cols = ["#", "micro-batch", "ZeRO", "remat", "precision", peak_col, *(["reserved"] if on_reserved else [])]
-    for col in (*cols, "free", "rel. cost", "peak in"):
-        fits.add_column(col, justify="right" if col not in ("ZeRO", "remat", "precision", "peak in") else "left")
-    for i, c in enumerate(result.fitting[:top], 1):
-        budget = c.reserved_bytes if c.reserved_bytes is not None else c.peak_bytes
-        fits.add_row(
-            str(i),
-            str(c.micro_batch),
-            c.stage[-1],
-            c.remat,
-            c.recipe,
-            _gib(c.peak_bytes),
-            *([_gib(budget)] if on_reserved else []),
-            _gib(usable - budget),
-            f"{c.relative_cost:.2f}",
-            c.peak_phase,
-        )
+    fits = _fits_table(result, usable, top, columns=cols, on_reserved=on_reserved)
     items: list[object] = [head]
     if result.fitting:
         items.append(fits)
@@ -178,8 +227,30 @@ def render(result: FitResult, console: Console, *, top: int = 12, device: Device
                     else "allocator rounding and fragmentation are not counted: --budget-on reserved "
                     "(or --device NAME) replays each configuration through the caching allocator's model"
                 ),
+                *result.notes,
                 UNITS_NOTE,
             ]
         )
     )
     print_renderables(*items, console=console)
+
+
+def _fits_table(result: FitResult, usable: int, top: int, *, columns: list[str], on_reserved: bool) -> Table:
+    """The configurations that fit; a traced-peak column where any was traced (free memory then follows it),
+    and the predicted reserved memory when the budget is on it (free memory then follows that)."""
+    traced = any(c.traced_peak_bytes is not None for c in result.fitting)
+    fits = Table(title="fits (best first; cost per token relative to the best)", title_justify="left")
+    columns = [*columns, *(["traced peak"] if traced else [])]
+    for col in (*columns, "free", "rel. cost", "peak in"):
+        fits.add_column(col, justify="right" if col not in ("ZeRO", "remat", "precision", "peak in") else "left")
+    for i, c in enumerate(result.fitting[:top], 1):
+        budget = c.reserved_bytes if on_reserved and c.reserved_bytes is not None else c.ranked_peak_bytes
+        cells = [str(i), str(c.micro_batch), c.stage[-1], c.remat, c.recipe, _gib(c.peak_bytes)]
+        cells += [_gib(c.reserved_bytes or 0)] if on_reserved else []
+        cells += [_traced_cell(c)] if traced else []
+        fits.add_row(*cells, _gib(usable - budget), f"{c.relative_cost:.2f}", c.peak_phase)
+    return fits
+
+
+def _traced_cell(c: Candidate) -> str:
+    return "—" if c.traced_peak_bytes is None else _gib(c.traced_peak_bytes)

@@ -90,7 +90,12 @@ def _resized_note(num: int) -> str:
 
 
 def trace(
-    workload: Workload, *, fake: bool = False, kernel_workspace: bool = True, progress: ProgressFn | None = None
+    workload: Workload,
+    *,
+    fake: bool = False,
+    kernel_workspace: bool = True,
+    progress: ProgressFn | None = None,
+    device: str = "cpu",
 ) -> Ledger:
     """Trace one steady-state training step of ``workload`` (evidence ``traced``).
 
@@ -112,6 +117,8 @@ def trace(
             call once more alone, and add them as workspace entries at that op's event (evidence
             ``measured``). Without it the ledger holds tensor storages only.
         progress: called as ``progress(phase, num_events)`` every thousand events.
+        device: with ``fake``, the device that tensors on ``meta`` are traced as (a model built with
+            ``torch.device("meta")`` or accelerate's ``init_empty_weights()``); a real trace refuses them.
 
     Returns:
         The traced ledger; ``meta`` holds the model name, events per phase and the traced step's time.
@@ -121,16 +128,27 @@ def trace(
         raise InputError(f"trace(fake=...) is {fake!r}; give True or False")
     if progress is not None and not callable(progress):
         raise InputError(f"trace(progress=...) is {progress!r}; give None or a function progress(phase, num_events)")
-    ledger, kernels = _trace_step(workload, fake=fake, progress=progress)
+    ledger, kernels = _trace_step(workload, fake=fake, progress=progress, device=_meta_device(workload, fake, device))
     return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
 
 
+def _meta_device(workload: Workload, fake: bool, device: str) -> str:
+    """``device`` checked; a real trace of a model with weights on ``meta`` is refused (they hold no values)."""
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"trace(device=...) is {device!r}; give a device such as 'cpu' or 'cuda'") from None
+    if not fake and any(t.is_meta for t in workload.model.parameters()):
+        raise InputError("the model's parameters are on the meta device, which holds no values: trace it with --fake")
+    return device
+
+
 def _trace_step(
-    workload: Workload, *, fake: bool, progress: ProgressFn | None
+    workload: Workload, *, fake: bool, progress: ProgressFn | None, device: str = "cpu"
 ) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
     """The traced ledger without kernel-internal buffers, and the kernel calls that may hold some."""
     if fake:
-        with fake_workload(workload) as (twin, mode), mode:
+        with fake_workload(workload, device) as (twin, mode), mode:
             try:
                 ledger, kernels = _trace(twin, progress, fake=True)
             except InputError as exc:

@@ -3,6 +3,12 @@
 The model's parameters and buffers are swapped *in place* for fake tensors (so a loss function that
 refers to the model, or to a reference model, from a closure sees them too) and restored afterwards,
 whatever happens. A model already built under ``FakeTensorMode`` is used as it is, in its own mode.
+
+A model built on the ``meta`` device (``with torch.device("meta"):``, accelerate's ``init_empty_weights()``)
+has shapes and dtypes but no values, which is all a fake step needs: its meta tensors become fake tensors on
+the device the trace names (default cpu), so tensors that ``forward`` creates on the default device (a causal
+mask from ``torch.ones(T, T)``) meet its weights on one device. Meta tensors that were views of one another
+become separate fake tensors: a model that ties weights by sharing the ``Parameter`` keeps them tied.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from trainledger.workload import Workload
 
 
 @contextlib.contextmanager
-def fake_workload(workload: Workload) -> Iterator[tuple[Workload, FakeTensorMode]]:
-    """A fake twin of ``workload`` (model swapped in place, batch and optimizer rebuilt) and its mode."""
+def fake_workload(workload: Workload, device: str = "cpu") -> Iterator[tuple[Workload, FakeTensorMode]]:
+    """A fake twin of ``workload`` (model swapped in place, batch and optimizer rebuilt) and its mode; meta
+    tensors become fake tensors on ``device``."""
     roots = [m for m in (workload.model, workload.reference) if m is not None]
     existing = _existing_fake_mode(roots)
     mode = existing or FakeTensorMode(allow_non_fake_inputs=True)
@@ -33,7 +40,7 @@ def fake_workload(workload: Workload) -> Iterator[tuple[Workload, FakeTensorMode
         if isinstance(t, FakeTensor):
             return t
         if id(t) not in memo:
-            f = mode.from_tensor(t)
+            f = _from_meta(mode, t, torch.device(device)) if t.is_meta else mode.from_tensor(t)
             if isinstance(t, nn.Parameter):
                 f = nn.Parameter(f, requires_grad=t.requires_grad)
             memo[id(t)] = f
@@ -63,6 +70,12 @@ def fake_workload(workload: Workload) -> Iterator[tuple[Workload, FakeTensorMode
     finally:
         for table, name, original in reversed(swapped):
             table[name] = original
+
+
+def _from_meta(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor on ``device`` with the shape, strides and dtype of the meta tensor ``t``."""
+    f = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), device)
+    return f.requires_grad_(t.requires_grad) if t.is_leaf else f
 
 
 def _existing_fake_mode(roots: list[nn.Module]) -> FakeTensorMode | None:
