@@ -48,8 +48,8 @@ def assert_bitwise(a: Any, b: Any, where: str = "") -> int:
     return 0
 
 
-def run_loop(recorded: bool, **kwargs: Any) -> tuple[dict[str, Any], Any]:
-    run = record_loop.build()
+def run_loop(recorded: bool, skip: int | None = None, **kwargs: Any) -> tuple[dict[str, Any], Any]:
+    run = record_loop.build(skip=skip)
     rec = None
     if recorded:
         with record(run["model"], run["opt"], **kwargs) as rec:
@@ -84,10 +84,15 @@ def test_a_small_loop_is_bitwise_unchanged() -> None:
 
 
 @pytest.mark.slow
-def test_recorded_peaks_equal_the_allocators_within_a_tenth_of_a_percent() -> None:
+@pytest.mark.parametrize("skip", [[], ["--skip", "1"]], ids=["every-step", "step-1-skipped"])
+def test_recorded_peaks_equal_the_allocators_within_a_tenth_of_a_percent(skip: list[str]) -> None:
     def peaks(mode: str) -> list[int]:
         out = subprocess.run(
-            [sys.executable, "-m", "tests.record_loop", mode], cwd=ROOT, capture_output=True, text=True, check=True
+            [sys.executable, "-m", "tests.record_loop", mode, *skip],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -95,6 +100,23 @@ def test_recorded_peaks_equal_the_allocators_within_a_tenth_of_a_percent() -> No
     assert len(oracle) == len(traced) == record_loop.NUM_STEPS
     for step, (o, t) in enumerate(zip(oracle, traced, strict=True)):
         assert abs(t - o) <= 0.001 * o, (step, o, t)
+
+
+@pytest.mark.slow
+def test_a_step_the_grad_scaler_skips_is_its_own_step() -> None:
+    plain, _ = run_loop(False, skip=1)
+    recorded, rec = run_loop(True, skip=1)
+    assert assert_bitwise(plain, recorded) > 10
+    assert recorded["opt"]["state"][0]["step"].item() == record_loop.NUM_STEPS - 1  # one step was skipped
+    assert rec.steps == tuple(range(record_loop.NUM_STEPS))
+    assert [rec.ledger(step=k).meta.get("skipped", False) for k in rec.steps] == [False, True, False, False]
+    skipped = rec.ledger(step=1)
+    assert any("skipped optimizer.step()" in n for n in skipped.notes)
+    # forward and backward of all four micro-batches, the unscale, and no optimizer state made or changed
+    assert len([c for c in skipped.calls if c.path == "(root)"]) == record_loop.ACCUMULATION
+    assert {"forward", "backward", "optimizer"} <= {ev.phase for ev in skipped.events}
+    assert not [e for e in skipped.select(category=Category.OPTIMIZER) if e.alloc_event is not None]
+    assert {e.name for e in skipped.select(category=Category.GRADIENTS)} >= {"0.weight.grad", "5.bias.grad"}
 
 
 @pytest.mark.slow
