@@ -62,11 +62,9 @@ def train(model: nn.Module, opt: Any, sched: Any, scaler: Any, data: list[Any], 
 
 
 def oracle_peaks(skip: int | None = None) -> list[int]:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
-    def boundary(*_args: Any) -> None:
-        with record_function("boundary"):
-            pass
+    from tests.oracle_profiler import boundary, step_peaks
 
     gc.collect()
     gc.disable()
@@ -75,17 +73,7 @@ def oracle_peaks(skip: int | None = None) -> list[int]:
         boundary()
         train(**run, after_step=boundary)
     gc.enable()
-    events = prof.profiler.kineto_results.events()
-    marks = sorted(e.start_ns() for e in events if e.name() == "boundary")
-    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    peaks = [0] * (len(marks) - 1)
-    live = 0
-    for e in mem:
-        live += e.nbytes()
-        for k in range(len(peaks)):
-            if marks[k] <= e.start_ns() <= marks[k + 1]:
-                peaks[k] = max(peaks[k], live)
-    return peaks
+    return step_peaks(prof)
 
 
 def recorded_peaks(skip: int | None = None) -> list[int]:

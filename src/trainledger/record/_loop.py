@@ -59,7 +59,14 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key
 from trainledger.ledger import Category, Entry, Ledger, Peak
 from trainledger.record._scaler import SKIPPED_NOTE, watching_skipped_steps
-from trainledger.trace import ModuleScopes, StepTracer, mark_optimizer_outputs, traced_ledger, with_kernel_workspace
+from trainledger.trace import (
+    ModuleScopes,
+    StepTracer,
+    fsdp_storages,
+    mark_optimizer_outputs,
+    traced_ledger,
+    with_kernel_workspace,
+)
 from trainledger.workload import iter_tensors
 
 _current_node = torch._C._current_autograd_node
@@ -153,7 +160,7 @@ class Recording(contextlib.ContextDecorator):
         self._returned: set[int] = set()  # optimizers whose step() returned since the scaler last asked
         self._live: _Live | None = None
         self._handles: list[Any] = []
-        self._scaler_watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        self._watches = contextlib.ExitStack()  # what record follows outside dispatch while it runs
         self._entered = False
 
     # --- entering and leaving --------------------------------------------------------------------
@@ -166,8 +173,8 @@ class Recording(contextlib.ContextDecorator):
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer))
-        self._scaler_watch = watching_skipped_steps(self._step_returned, self._skipped_optimizer)
-        self._scaler_watch.__enter__()
+        self._watches.enter_context(watching_skipped_steps(self._step_returned, self._skipped_optimizer))
+        self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
         self._open()
         return self
 
@@ -183,7 +190,7 @@ class Recording(contextlib.ContextDecorator):
             for h in self._handles:
                 h.remove()
             self._handles = []
-            self._scaler_watch.__exit__(None, None, None)
+            self._watches.close()
             self._entered = False
 
     # --- hooks ----------------------------------------------------------------------------------
