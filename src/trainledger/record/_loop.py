@@ -35,8 +35,9 @@ Known limitations:
     - Tensors that exist when a step begins count when an op of the step uses them or when the loop holds
       them (found among Python's objects); tensors held only inside C++ objects (a retained autograd graph)
       are not seen.
-    - Ops inside a ``torch.compile``-d module run as generated kernels that dispatch does not see op by op;
-      a ledger of such a step says which modules are compiled.
+    - A ``torch.compile``-d module runs eagerly in a traced step (dynamo does not run under a tracing dispatch
+      mode): the ledger is the eager step's and says which modules are compiled; the compiled step's
+      kernels and (with inductor) random numbers differ. Steps outside ``steps=`` run compiled.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from trainledger.checks import describe
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key
 from trainledger.ledger import Category, Entry, Ledger, Peak
+from trainledger.record._compiled import compiled_modules, compiled_note, dynamo_skipped
 from trainledger.record._scaler import SKIPPED_NOTE, watching_skipped_steps
 from trainledger.trace import (
     ModuleScopes,
@@ -161,6 +163,7 @@ class Recording(contextlib.ContextDecorator):
         self._live: _Live | None = None
         self._handles: list[Any] = []
         self._watches = contextlib.ExitStack()  # what record follows outside dispatch while it runs
+        self._compiled: list[str] = []  # modules that run compiled (eagerly while traced)
         self._entered = False
 
     # --- entering and leaving --------------------------------------------------------------------
@@ -175,6 +178,7 @@ class Recording(contextlib.ContextDecorator):
             self._handles.append(opt.register_step_post_hook(self._after_optimizer))
         self._watches.enter_context(watching_skipped_steps(self._step_returned, self._skipped_optimizer))
         self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
+        self._compiled = compiled_modules(self.model)
         self._open()
         return self
 
@@ -254,7 +258,7 @@ class Recording(contextlib.ContextDecorator):
         if self.selected is not None and index not in self.selected:
             return
         scopes = ModuleScopes([("", self.model)])
-        tracer = _LoopTracer(scopes)
+        tracer = (dynamo_skipped(_LoopTracer) if self._compiled else _LoopTracer)(scopes)
         for opt in self.optimizers:
             for t, owner in iter_state(self.model, opt):
                 tracer.known(t, owner.name, owner.category, owner.role)
@@ -306,7 +310,7 @@ class Recording(contextlib.ContextDecorator):
             seconds=live.seconds,
             optimizers=list(self.optimizers),
             parameter_order=[n for n, _ in self.model.named_parameters()],
-            notes=(*_compiled_note(self.model), *((SKIPPED_NOTE,) if live.skipped else ())),
+            notes=(*compiled_note(self._compiled), *((SKIPPED_NOTE,) if live.skipped else ())),
             meta={"step": live.index, "recorded": True, **({"skipped": True} if live.skipped else {}), **_rank()},
         )
         ledger = ledger.with_entries(_reclassified(ledger, _model_device(self.model)))
@@ -459,16 +463,6 @@ def _on_device(ledger: Ledger, device: str) -> Ledger:
 def _model_device(model: nn.Module) -> str:
     p = next(model.parameters(), None)
     return "cpu" if p is None else str(p.device)
-
-
-def _compiled_note(model: nn.Module) -> tuple[str, ...]:
-    compiled = [n or "(root)" for n, m in model.named_modules() if hasattr(m, "_orig_mod")]
-    if not compiled:
-        return ()
-    return (
-        f"compiled modules ({', '.join(compiled[:5])}) run generated kernels: their temporaries are seen as the "
-        "compiled graph allocates them, not op by op; measure the step (trainledger measure) for those regions",
-    )
 
 
 def _rank() -> dict[str, int]:
