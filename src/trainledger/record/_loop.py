@@ -27,6 +27,9 @@ Example:
     >>> rec.steps, rec.ledger(step=1).evidence.value
     ((0, 1, 2), 'traced')
 
+Under FSDP2 (``fully_shard``), the gathered parameters that FSDP2 frees and re-grows by resizing their
+storages are followed as they are (see :func:`trainledger.trace.fsdp_storages`).
+
 A step a GradScaler skips (infs or NaNs in the gradients: ``scaler.step(optimizer)`` returns without calling
 ``optimizer.step()``) ends where the scaler decides, as its own step: its ledger has ``meta["skipped"]`` true
 and says so in its notes.
