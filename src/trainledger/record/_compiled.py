@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 from typing import Any
 
 from torch import nn
@@ -29,10 +30,11 @@ def compiled_modules(model: nn.Module) -> list[str]:
     paths = {id(m): n or "(root)" for n, m in model.named_modules()}
     found = {paths[id(m)] for _, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None}
     found |= {paths[id(m)] for m in model.modules() if id(getattr(m, "_orig_mod", None)) in paths}
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is None:  # nothing was compiled in this process (and importing dynamo costs seconds)
+        return sorted(found)
     for obj in gc.get_objects():
-        if type(obj) is OptimizedModule and id(obj._orig_mod) in paths:
+        if type(obj) is dynamo.OptimizedModule and id(obj._orig_mod) in paths:
             found.add(paths[id(obj._orig_mod)])
     return sorted(found)
 
