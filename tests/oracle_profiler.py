@@ -51,5 +51,27 @@ def window_peak(prof: profile, window_name: str = "oracle.step") -> int:
     return peak
 
 
+def boundary(*_args: Any) -> None:
+    """Mark where one step ends and the next begins (call it, or register it as an optimizer hook)."""
+    with record_function("oracle.boundary"):
+        pass
+
+
+def step_peaks(prof: profile) -> list[int]:
+    """For each window between consecutive :func:`boundary` marks, the largest running sum of allocation
+    events inside it (absolute, as :func:`window_peak`)."""
+    events = prof.profiler.kineto_results.events()
+    marks = sorted(e.start_ns() for e in events if e.name() == "oracle.boundary")
+    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    peaks = [0] * (len(marks) - 1)
+    live = 0
+    for e in mem:
+        live += e.nbytes()
+        for k in range(len(peaks)):
+            if marks[k] <= e.start_ns() <= marks[k + 1]:
+                peaks[k] = max(peaks[k], live)
+    return peaks
+
+
 if __name__ == "__main__":
     print(json.dumps(oracle(sys.argv[1])))

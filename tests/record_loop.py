@@ -6,6 +6,10 @@ before anything is built) and prints, per step, the largest running sum of the p
 inside the step; ``python -m tests.record_loop record`` runs it inside ``trainledger.record`` and prints each
 step's traced peak. A step is ``record``'s: from one optimizer step's return to the next one's. The two runs
 are separate processes, so the profiler's oracle shares nothing with the tracer.
+
+``... oracle --skip K`` and ``... record --skip K`` put an inf into step K's first micro-batch: its gradients
+are NaN and the GradScaler skips that optimizer step (the oracle's step then ends where ``scaler.step``
+returns).
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ ACCUMULATION = 4
 NUM_STEPS = 4
 
 
-def build(seed: int = 0) -> dict[str, Any]:
+def build(seed: int = 0, skip: int | None = None) -> dict[str, Any]:
+    """The loop's objects; with ``skip``, step ``skip``'s first micro-batch holds an inf (its step is skipped)."""
     torch.manual_seed(seed)
     model = nn.Sequential(
         nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(ACCUMULATION * NUM_STEPS)]
+    if skip is not None:
+        data[skip * ACCUMULATION][0][0, 0] = float("inf")
     return {
         "model": model,
         "opt": opt,
@@ -39,7 +46,7 @@ def build(seed: int = 0) -> dict[str, Any]:
     }
 
 
-def train(model: nn.Module, opt: Any, sched: Any, scaler: Any, data: list[Any]) -> None:
+def train(model: nn.Module, opt: Any, sched: Any, scaler: Any, data: list[Any], after_step: Any = None) -> None:
     for i, (x, y) in enumerate(data):
         loss = F.cross_entropy(model(x), y) / ACCUMULATION
         scaler.scale(loss).backward()
@@ -47,45 +54,34 @@ def train(model: nn.Module, opt: Any, sched: Any, scaler: Any, data: list[Any]) 
             scaler.unscale_(opt)
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
+            if after_step is not None:
+                after_step()
             scaler.update()
             opt.zero_grad(set_to_none=True)
             sched.step()
 
 
-def oracle_peaks() -> list[int]:
-    from torch.profiler import ProfilerActivity, profile, record_function
+def oracle_peaks(skip: int | None = None) -> list[int]:
+    from torch.profiler import ProfilerActivity, profile
 
-    def boundary(*_args: Any) -> None:
-        with record_function("boundary"):
-            pass
+    from tests.oracle_profiler import boundary, step_peaks
 
     gc.collect()
     gc.disable()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run = build()
-        run["opt"].register_step_post_hook(boundary)
+        run = build(skip=skip)
         boundary()
-        train(**run)
+        train(**run, after_step=boundary)
     gc.enable()
-    events = prof.profiler.kineto_results.events()
-    marks = sorted(e.start_ns() for e in events if e.name() == "boundary")
-    mem = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    peaks = [0] * (len(marks) - 1)
-    live = 0
-    for e in mem:
-        live += e.nbytes()
-        for k in range(len(peaks)):
-            if marks[k] <= e.start_ns() <= marks[k + 1]:
-                peaks[k] = max(peaks[k], live)
-    return peaks
+    return step_peaks(prof)
 
 
-def recorded_peaks() -> list[int]:
+def recorded_peaks(skip: int | None = None) -> list[int]:
     from trainledger import record
 
     gc.collect()
     gc.disable()
-    run = build()
+    run = build(skip=skip)
     with record(run["model"], run["opt"]) as rec:
         train(**run)
     gc.enable()
@@ -93,4 +89,5 @@ def recorded_peaks() -> list[int]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(oracle_peaks() if sys.argv[1] == "oracle" else recorded_peaks()))
+    skipped = int(sys.argv[3]) if sys.argv[2:3] == ["--skip"] else None
+    print(json.dumps(oracle_peaks(skipped) if sys.argv[1] == "oracle" else recorded_peaks(skipped)))

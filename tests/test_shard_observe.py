@@ -75,8 +75,7 @@ def test_fsdp_optimizer_temporaries_are_traced(one_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainledger.shard._observe import fsdp_storage_view
-    from trainledger.trace import trace
+    from trainledger.trace import fsdp_storages, trace
 
     w = mlp()
     w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3)  # two temporaries per parameter
@@ -84,7 +83,7 @@ def test_fsdp_optimizer_temporaries_are_traced(one_rank_group):
     w = mlp()
     w.optimizer = lambda ps: torch.optim.Adam(ps, lr=1e-3)
     fully_shard(w.model, mesh=init_device_mesh("cpu", (1,)))
-    with fsdp_storage_view(w.model):
+    with fsdp_storages(w.model):
         sharded = trace(w)
     expected = _optimizer_temporaries(plain)
     assert len(expected) == 2 * 6  # sqrt and div of each of the three layers' weight and bias

@@ -27,14 +27,20 @@ Example:
     >>> rec.steps, rec.ledger(step=1).evidence.value
     ((0, 1, 2), 'traced')
 
+Under FSDP2 (``fully_shard``), the gathered parameters that FSDP2 frees and re-grows by resizing their
+storages are followed as they are (see :func:`trainledger.trace.fsdp_storages`).
+
+A step a GradScaler skips (infs or NaNs in the gradients: ``scaler.step(optimizer)`` returns without calling
+``optimizer.step()``) ends where the scaler decides, as its own step: its ledger has ``meta["skipped"]`` true
+and says so in its notes.
+
 Known limitations:
-    - A step a GradScaler skips (gradients with infs) calls no ``optimizer.step()``: it is recorded
-      together with the next one.
     - Tensors that exist when a step begins count when an op of the step uses them or when the loop holds
       them (found among Python's objects); tensors held only inside C++ objects (a retained autograd graph)
       are not seen.
-    - Ops inside a ``torch.compile``-d module run as generated kernels that dispatch does not see op by op;
-      a ledger of such a step says which modules are compiled.
+    - A ``torch.compile``-d module runs eagerly in a traced step (dynamo does not run under a tracing dispatch
+      mode): the ledger is the eager step's and says which modules are compiled; the compiled step's
+      kernels and (with inductor) random numbers differ. Steps outside ``steps=`` run compiled.
 """
 
 from __future__ import annotations
@@ -56,7 +62,16 @@ from trainledger.checks import describe
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key
 from trainledger.ledger import Category, Entry, Ledger, Peak
-from trainledger.trace import ModuleScopes, StepTracer, mark_optimizer_outputs, traced_ledger, with_kernel_workspace
+from trainledger.record._compiled import compiled_modules, compiled_note, dynamo_skipped
+from trainledger.record._scaler import SKIPPED_NOTE, watching_skipped_steps
+from trainledger.trace import (
+    ModuleScopes,
+    StepTracer,
+    fsdp_storages,
+    mark_optimizer_outputs,
+    traced_ledger,
+    with_kernel_workspace,
+)
 from trainledger.workload import iter_tensors
 
 _current_node = torch._C._current_autograd_node
@@ -98,6 +113,8 @@ class _Live:
     """``time.perf_counter()`` as the step opened."""
     seconds: float = 0.0
     """How long the step ran under the tracer (set as it closes)."""
+    skipped: bool = False
+    """A GradScaler skipped an optimizer's step in it."""
 
 
 class Recording(contextlib.ContextDecorator):
@@ -144,9 +161,12 @@ class Recording(contextlib.ContextDecorator):
         self.kernel_workspace = kernel_workspace
         self._ledgers: dict[int, Ledger] = {}
         self._next = 0  # the index of the step that opens next
-        self._stepped: set[int] = set()
+        self._stepped: set[int] = set()  # optimizers done (stepped or skipped) in the step open now
+        self._returned: set[int] = set()  # optimizers whose step() returned since the scaler last asked
         self._live: _Live | None = None
         self._handles: list[Any] = []
+        self._watches = contextlib.ExitStack()  # what record follows outside dispatch while it runs
+        self._compiled: list[str] = []  # modules that run compiled (eagerly while traced)
         self._entered = False
 
     # --- entering and leaving --------------------------------------------------------------------
@@ -159,6 +179,9 @@ class Recording(contextlib.ContextDecorator):
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer))
+        self._watches.enter_context(watching_skipped_steps(self._step_returned, self._skipped_optimizer))
+        self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
+        self._compiled = compiled_modules(self.model)
         self._open()
         return self
 
@@ -174,6 +197,7 @@ class Recording(contextlib.ContextDecorator):
             for h in self._handles:
                 h.remove()
             self._handles = []
+            self._watches.close()
             self._entered = False
 
     # --- hooks ----------------------------------------------------------------------------------
@@ -190,14 +214,38 @@ class Recording(contextlib.ContextDecorator):
             return
         live.tracer.in_optimizer = True
         live.tracer.phase = "optimizer"
+        self._name_gradients(live)
+
+    def _name_gradients(self, live: _Live) -> None:
         for pname, p in self.model.named_parameters():  # gradients exist now: name them
             if p.grad is not None:
                 live.tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{pname}.grad")
 
     def _after_optimizer(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._returned.add(id(opt))
         if self._live is not None:
             self._live.tracer.in_optimizer = False
             self._live.tracer.after = "optimizer"
+        self._done(opt)
+
+    def _step_returned(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt.step()`` returned since the last time this was asked (the GradScaler's watch asks)."""
+        returned = id(opt) in self._returned
+        self._returned.discard(id(opt))
+        return returned
+
+    def _skipped_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """A GradScaler passed over ``opt.step()``: the step ends here as if it had stepped."""
+        if not any(o is opt for o in self.optimizers):
+            return
+        if self._live is not None:
+            self._name_gradients(self._live)
+            self._live.skipped = True
+            self._live.tracer.after = "optimizer"
+        self._done(opt)
+
+    def _done(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` stepped (or was skipped); once every optimizer has, the step ends and the next opens."""
         self._stepped.add(id(opt))
         if len(self._stepped) < len(self.optimizers):
             return
@@ -213,7 +261,7 @@ class Recording(contextlib.ContextDecorator):
         if self.selected is not None and index not in self.selected:
             return
         scopes = ModuleScopes([("", self.model)])
-        tracer = _LoopTracer(scopes)
+        tracer = (dynamo_skipped(_LoopTracer) if self._compiled else _LoopTracer)(scopes)
         for opt in self.optimizers:
             for t, owner in iter_state(self.model, opt):
                 tracer.known(t, owner.name, owner.category, owner.role)
@@ -265,8 +313,8 @@ class Recording(contextlib.ContextDecorator):
             seconds=live.seconds,
             optimizers=list(self.optimizers),
             parameter_order=[n for n, _ in self.model.named_parameters()],
-            notes=_compiled_note(self.model),
-            meta={"step": live.index, "recorded": True, **_rank()},
+            notes=(*compiled_note(self._compiled), *((SKIPPED_NOTE,) if live.skipped else ())),
+            meta={"step": live.index, "recorded": True, **({"skipped": True} if live.skipped else {}), **_rank()},
         )
         ledger = ledger.with_entries(_reclassified(ledger, _model_device(self.model)))
         if self.kernel_workspace:
@@ -418,16 +466,6 @@ def _on_device(ledger: Ledger, device: str) -> Ledger:
 def _model_device(model: nn.Module) -> str:
     p = next(model.parameters(), None)
     return "cpu" if p is None else str(p.device)
-
-
-def _compiled_note(model: nn.Module) -> tuple[str, ...]:
-    compiled = [n or "(root)" for n, m in model.named_modules() if hasattr(m, "_orig_mod")]
-    if not compiled:
-        return ()
-    return (
-        f"compiled modules ({', '.join(compiled[:5])}) run generated kernels: their temporaries are seen as the "
-        "compiled graph allocates them, not op by op; measure the step (trainledger measure) for those regions",
-    )
 
 
 def _rank() -> dict[str, int]:

@@ -1,5 +1,6 @@
-"""Watching a rank's step from the inside: the collectives it issues, FSDP2's storages for the tracer, and
-collectives settled so that a traced step's frees happen where the step drops its buffers.
+"""Watching a rank's step from the inside: the collectives it issues, and collectives settled so that a
+traced step's frees happen where the step drops its buffers (FSDP2's storages for the tracer are
+:func:`trainledger.trace.fsdp_storages`, which ``record`` uses too).
 
 Both are torch-side helpers of :mod:`trainledger.shard.launch`.
 """
@@ -12,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger.shard._comm import Collective
@@ -99,51 +99,6 @@ def _payload(name: str, args: tuple[Any, ...]) -> int:
     if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_"):
         return nbytes(args[0])  # output(s)
     return nbytes(args[0])
-
-
-# --- FSDP2's storages, as the tracer needs to see them ------------------------------------------------
-
-
-@contextlib.contextmanager
-def fsdp_storage_view(model: nn.Module) -> Iterator[None]:
-    """Let the tracer see FSDP2's real storages while it traces a rank.
-
-    FSDP2 keeps each parameter (and so its gradient and optimizer state) as a ``DTensor``, a wrapper
-    whose ``untyped_storage()`` reports the *global* size; the bytes a rank holds are its local shard.
-    And it frees a unit's gathered parameters with ``untyped_storage().resize_(0)`` (and re-grows them
-    the same way), which no dispatched op shows. The tracer itself declares DTensors by their local
-    shards; for the traced step this wraps FSDP2's own storage hooks to tell the tracer when a gathered
-    storage is grown (allocated) or shrunk to nothing (freed). Plain modules are traced untouched.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        yield
-        return
-    from torch.distributed.fsdp._fully_shard import _fsdp_param
-
-    from trainledger.ledger import Category
-    from trainledger.trace import active_tracer
-
-    original_alloc, original_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-
-    def alloc_storage(t: torch.Tensor) -> None:
-        original_alloc(t)
-        tracer = active_tracer()
-        if tracer is not None:
-            tracer.allocated_outside_dispatch(t, "gathered parameters", Category.WEIGHTS, "gathered")
-
-    def free_storage(t: torch.Tensor) -> None:
-        tracer = active_tracer()
-        if tracer is not None:
-            tracer.freed_outside_dispatch(t)
-        original_free(t)
-
-    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
-    try:
-        yield
-    finally:
-        _fsdp_param.alloc_storage, _fsdp_param.free_storage = original_alloc, original_free
 
 
 # --- collectives settled for tracing ------------------------------------------------------------------

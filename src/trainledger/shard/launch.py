@@ -24,7 +24,7 @@ step it was in. No child process is left behind.
 
 Known limitations: FSDP2 keeps parameters as ``DTensor`` wrappers and frees gathered parameters with
 ``untyped_storage().resize_(0)``; the tracer sees storages, so the launcher registers the local shards
-and the gathered storages' resizes with it (see :func:`trainledger.shard._observe.fsdp_storage_view`).
+and the gathered storages' resizes with it (see :func:`trainledger.trace.fsdp_storages`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from trainledger.checks import instance_of, one_of, positive_number, whole_numbe
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.shard import Collective, ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
-from trainledger.shard._observe import CollectiveCounter, fsdp_storage_view, settled_collectives
+from trainledger.shard._observe import CollectiveCounter, settled_collectives
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
@@ -579,11 +579,11 @@ TRACE_ATTEMPTS = 3
 def _trace_settled(workload: Any, backend: str) -> Ledger:
     """Trace the step with FSDP2's storages in view and collectives settled; trace again, every rank
     together, while some rank's trace still had a buffer freed by another thread (its note says so)."""
-    from trainledger.trace import trace
+    from trainledger.trace import fsdp_storages, trace
 
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     for _ in range(TRACE_ATTEMPTS):
-        with fsdp_storage_view(workload.model), settled_collectives():
+        with fsdp_storages(workload.model), settled_collectives():
             ledger = trace(workload)
         unsettled = torch.tensor([ledger.meta.get("frees_on_other_threads", 0)], device=device)
         dist.all_reduce(unsettled, op=dist.ReduceOp.MAX)

@@ -20,6 +20,7 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
+from trainledger.trace._fsdp import fsdp_storages
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
@@ -43,6 +44,7 @@ __all__ = [
     "TraceReport",
     "TrainingState",
     "active_tracer",
+    "fsdp_storages",
     "kernel_internal_bytes",
     "mark_optimizer_outputs",
     "record_forward",
