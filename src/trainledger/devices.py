@@ -114,6 +114,65 @@ def kernel_kind(device: str) -> KernelKind:
     return "cuda" if device.split(":")[0] == "cuda" else "cpu"
 
 
+DEFAULT_CUDA_DEVICE = "H100-80GB-SXM"
+"""The card a CUDA-kind figure assumes when only ``cuda`` is named: an H100/H200-class part (sm90)."""
+
+KiB = 1 << 10
+_CUBLAS_DEFAULT_WORKSPACE = ((4096 * KiB, 2), (16 * KiB, 8))
+_CUBLAS_LARGE_WORKSPACE = ((4096 * KiB, 8),)
+_CUBLAS_LARGE_MAJORS = (9, 10, 12)
+
+
+def cublas_workspace_bytes(device: Device, config: str | None = None) -> int:
+    """Bytes of the cuBLAS workspace PyTorch allocates per (handle, stream) through its caching allocator.
+
+    PyTorch 2.13, ``aten/src/ATen/cuda/CublasHandlePool.cpp`` (``getChosenWorkspaceSize``): the sum of
+    ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KiB:COUNT`` pairs when it is set; otherwise ``4096 KiB × 2 + 16 KiB × 8``
+    (8,519,680 bytes), or ``4096 KiB × 8`` (32 MiB) on compute capability 9.x, 10.x and 12.x. cuBLASLt's
+    workspace is the same block unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``. It is kept for the life of the
+    process once a matmul ran on the stream (``cublas_handle_stream_to_workspace``), so a steady-state step
+    holds it throughout. ROCm builds size hipBLASLt differently: the default stands there, unvalidated.
+
+    Example:
+        >>> cublas_workspace_bytes(lookup("A100")), cublas_workspace_bytes(lookup("H100")) // MiB
+        (8519680, 32)
+        >>> cublas_workspace_bytes(lookup("H100"), ":4096:2:16:8")
+        8519680
+    """
+    if config:
+        pairs = config.split(":")[1:]
+        try:
+            numbers = [int(x) for x in pairs]
+        except ValueError:
+            numbers = []
+        if not numbers or len(numbers) % 2:
+            raise InputError(
+                f"CUBLAS_WORKSPACE_CONFIG {config!r} is not a list of :SIZE_KiB:COUNT pairs (e.g. :4096:8)"
+            )
+        return sum(size * KiB * count for size, count in zip(numbers[::2], numbers[1::2], strict=True))
+    cc = device.compute_capability
+    sizes = _CUBLAS_LARGE_WORKSPACE if cc is not None and cc[0] in _CUBLAS_LARGE_MAJORS else _CUBLAS_DEFAULT_WORKSPACE
+    return sum(size * count for size, count in sizes)
+
+
+NCCL_BUFFSIZE = 4 * MiB
+"""NCCL's default ``NCCL_BUFFSIZE``: the Simple protocol's buffer per channel and peer connection."""
+NCCL_CHANNELS_ESTIMATE = 16
+
+
+def nccl_buffer_bytes(world_size: int, *, buffsize: int = NCCL_BUFFSIZE, channels: int = NCCL_CHANNELS_ESTIMATE) -> int:
+    """An estimate of the device memory one rank's NCCL communicator holds for a ring over ``world_size``
+    ranks: a send and a receive buffer of ``NCCL_BUFFSIZE`` per channel (the LL and LL128 protocols' smaller
+    buffers left out). NCCL allocates it with ``cudaMalloc``, outside PyTorch's caching allocator; the channel
+    count depends on the topology (NCCL picks it at init), so this is an order of magnitude, unvalidated.
+
+    Example:
+        >>> nccl_buffer_bytes(1), nccl_buffer_bytes(8) // MiB
+        (0, 128)
+    """
+    return 0 if world_size <= 1 else 2 * buffsize * channels
+
+
 def _gb(n: int) -> int:
     return n * 10**9
 

@@ -1,0 +1,399 @@
+"""CUDA-kind traces: the step as PyTorch's CUDA kernels would run it, traced on fake CPU tensors.
+
+A CPU-only build of torch aborts on autograd over fake tensors that claim ``device="cuda"``, so the tracer
+keeps fake CPU tensors and substitutes, for the few places where CUDA's kernels allocate or save something
+else than the CPU's, what the CUDA kernel would have done (PyTorch 2.13):
+
+- **Scaled dot-product attention** (above autograd, a ``TorchFunctionMode``): the backend CUDA's
+  ``select_sdp_backend`` would pick (:func:`sdpa_backend`), then that backend's aten op called directly on
+  the fake tensors. Their meta kernels are device-agnostic and give the CUDA outputs (the log-sum-exp, the
+  RNG seed and offset), so autograd saves what CUDA's backward reads; the CPU picks its own flash kernel or,
+  with dropout, the math kernel that saves T×T tensors.
+- **Dropout**: ``at::dropout`` runs the fused ``native_dropout`` on CUDA (a 1-byte mask saved), on the CPU
+  a multiplication by a mask in the input's dtype (``Dropout.cpp``, ``is_fused_kernel_acceptable``).
+- **LayerNorm and GroupNorm statistics** (below autograd, in the tracer): CUDA keeps mean and rstd in
+  fp32 for fp16/bf16 inputs (the accumulate type), the CPU kernels in the input's dtype.
+- **The optimizer**: ``foreach`` (``_default_to_fused_or_foreach`` picks it when every parameter is a CUDA
+  tensor; fused is never the default), so the group-wide temporaries of ``_multi_tensor_*`` are traced.
+- **cuBLAS workspace**: a declared persistent entry per stream (:func:`trainledger.devices.cublas_workspace_bytes`);
+  the CUDA context and NCCL's buffers, outside the caching allocator, are stated beside the ledger, not in it.
+
+Known limitations:
+    - Autocast runs CPU's op lists (on CUDA softmax and layer_norm run in fp32 under autocast): said in a note.
+    - The math SDPA backend (rare on CUDA) still drops out through the CPU's dropout inside the op.
+    - cuDNN convolution workspaces and other buffers kernels allocate inside one op are not modelled.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from trainledger.devices import (
+    DEFAULT_CUDA_DEVICE,
+    Device,
+    cublas_workspace_bytes,
+    lookup,
+    nccl_buffer_bytes,
+)
+from trainledger.ledger import Category, Entry, Evidence, Ledger
+
+Backend = Literal["flash", "efficient", "cudnn", "math"]
+TORCH_SOURCE = "PyTorch 2.13 (cf30153c4c131c8164ee7798e5022d810682e2cb)"
+
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SdpaCall:
+    """What ``select_sdp_backend`` looks at in one ``scaled_dot_product_attention`` call."""
+
+    dtype: str
+    """The query's dtype, as torch names it without the prefix."""
+    head_dim: int
+    """The last dimension of query and key (value's is the same in every family traced here)."""
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads: fewer than ``num_heads`` under grouped-query attention (``enable_gqa``)."""
+    has_mask: bool
+    dropout: float
+    requires_grad: bool
+
+
+def prefers_cudnn(device: Device) -> bool:
+    """``check_prefer_cudnn_attention``: cuDNN's attention comes first on compute capability 9.0, 9.3, 10.0
+    and 10.3 (Hopper, Blackwell data-centre parts), assuming the wheel's cuDNN runtime is newer than 9.15.0
+    and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is unset."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").lower() in ("1", "true", "on", "yes"):
+        return False
+    cc = device.compute_capability
+    return cc is not None and cc[0] in (9, 10) and cc[1] in (0, 3)
+
+
+def _flash_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
+    """``can_use_flash_attention``: sm80 to sm121, fp16/bf16, head dim ≤ 256, no mask; on sm86/89/120/121
+    training rejects head dims in (192, 224] and above 224 with dropout."""
+    if not ((8, 0) <= cc <= (12, 1)) or call.dtype not in _LOW_PRECISION or call.has_mask:
+        return False
+    if call.head_dim > 256:
+        return False
+    if call.requires_grad and cc in ((8, 6), (8, 9), (12, 0), (12, 1)):
+        d = call.head_dim
+        if 192 < d <= 224 or (d > 224 and call.dropout > 0):
+            return False
+    return True
+
+
+def _efficient_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
+    """``can_use_mem_efficient_attention``: sm50 and later; fp32 and fp16, bf16 from sm80; the head dim a
+    multiple of the GEMM alignment (8 for 16-bit types on tensor cores, 4 for fp32 from sm80)."""
+    if cc < (5, 0):
+        return False
+    if call.dtype not in ("float32", "float16") and not (call.dtype == "bfloat16" and cc >= (8, 0)):
+        return False
+    half = call.dtype in _LOW_PRECISION
+    alignment = 1
+    if cc >= (8, 0):
+        alignment = 4
+    if cc >= (8, 0) or (cc >= (7, 0) and half):  # use_tensor_cores
+        alignment = max(alignment, 128 // (16 if half else 32))
+    return call.head_dim % alignment == 0
+
+
+def _cudnn_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
+    """``can_use_cudnn_attention``, conservatively: sm80 and later, fp16/bf16, head dim a multiple of 8 up to
+    128, no mask, no dropout, no grouped-query heads (the cases its checks accept in every cuDNN 9 release)."""
+    return (
+        cc >= (8, 0)
+        and call.dtype in _LOW_PRECISION
+        and call.head_dim % 8 == 0
+        and call.head_dim <= 128
+        and not call.has_mask
+        and call.dropout == 0
+        and call.num_kv_heads == call.num_heads
+    )
+
+
+def sdpa_backend(device: Device, call: SdpaCall) -> Backend:
+    """The SDPA backend PyTorch's CUDA dispatcher picks (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``,
+    ``select_sdp_backend``): the first of its priority order whose checks pass, math when none does.
+
+    Order: flash, memory-efficient, math; cuDNN first where :func:`prefers_cudnn`. AMD parts (ROCm, no
+    compute capability) use flash where :attr:`Device.flash_attention` says so, else memory-efficient.
+
+    Example:
+        >>> from trainledger.devices import lookup
+        >>> call = SdpaCall(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=8, has_mask=False,
+        ...                 dropout=0.0, requires_grad=True)
+        >>> sdpa_backend(lookup("A100"), call), sdpa_backend(lookup("H100"), call)
+        ('flash', 'cudnn')
+        >>> sdpa_backend(lookup("V100"), call), sdpa_backend(lookup("A100"), replace(call, has_mask=True))
+        ('math', 'efficient')
+    """
+    cc = device.compute_capability
+    if cc is None:  # ROCm: AOTriton's flash and memory-efficient kernels
+        if device.flash_attention and call.dtype in _LOW_PRECISION and not call.has_mask and call.head_dim <= 256:
+            return "flash"
+        return "efficient" if call.num_kv_heads == call.num_heads else "math"
+    if prefers_cudnn(device) and _cudnn_ok(cc, call):
+        return "cudnn"
+    if _flash_ok(cc, call):
+        return "flash"
+    if _efficient_ok(cc, call):
+        return "efficient"
+    return "math"
+
+
+def cuda_device(name: str | Device | None) -> Device:
+    """The device table's entry for ``name``; ``None`` or ``cuda``: ``trainledger.devices.DEFAULT_CUDA_DEVICE``."""
+    if isinstance(name, Device):
+        return name
+    if name is None or name.split(":")[0] == "cuda":
+        return lookup(DEFAULT_CUDA_DEVICE)
+    return lookup(name)
+
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_aten = torch.ops.aten
+
+
+class CudaKernels(TorchFunctionMode):
+    """Above autograd: SDPA runs the CUDA backend's own op, dropout CUDA's fused ``native_dropout``.
+
+    ``backends`` counts the SDPA backends chosen, ``dropouts`` the dropouts substituted."""
+
+    def __init__(self, device: Device) -> None:
+        super().__init__()
+        self.device = device
+        self.backends: Counter[str] = Counter()
+        self.dropouts = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self._attention(*args, **kwargs)
+        if func is F.dropout:
+            out = self._dropout(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _dropout(
+        self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor | None:
+        """``is_fused_kernel_acceptable`` on CUDA: ``0 < p < 1`` and a non-empty input (in place: as the CPU)."""
+        if not training or inplace or not 0 < p < 1 or input.numel() == 0:
+            return None
+        self.dropouts += 1
+        return _aten.native_dropout(input, p, True)[0]
+
+    def _attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        call = SdpaCall(
+            dtype=str(query.dtype).removeprefix("torch."),
+            head_dim=query.shape[-1],
+            num_heads=query.shape[-3] if query.dim() >= 3 else 1,
+            num_kv_heads=key.shape[-3] if key.dim() >= 3 else 1,
+            has_mask=attn_mask is not None,
+            dropout=dropout_p,
+            requires_grad=grad,
+        )
+        backend = sdpa_backend(self.device, call)
+        self.backends[backend] += 1
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask
+            attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+        if backend == "math":
+            return _aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+            )[0]
+        if call.num_kv_heads != call.num_heads and backend != "flash":  # flash reads grouped heads as they are
+            groups = call.num_heads // call.num_kv_heads
+            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        if backend == "flash":
+            return _flash(query, key, value, dropout_p, is_causal, scale)
+        if backend == "cudnn":
+            return _aten._scaled_dot_product_cudnn_attention(
+                query, key, value, None, grad, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if attn_mask is not None:
+            attn_mask = _mem_efficient_mask(attn_mask, query, key)
+        return _aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+        )[0]
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool, scale: float | None
+) -> torch.Tensor:
+    """``attention.cpp``: the head dim padded to a multiple of 8 (copies), the flash op, the padding sliced off."""
+    d = q.shape[-1]
+    pad = -d % 8
+    if pad:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    scale = scale if scale is not None else d**-0.5
+    out = _aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    return out[..., :d] if pad else out
+
+
+def _mem_efficient_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``preprocess_mask`` (``attention.cpp``): expanded to (B, H, T, S), padded to 16 along S, made contiguous
+    where a stride is not a multiple of 16 (a broadcast mask becomes a full (B, H, T, S) tensor)."""
+    out = mask.expand(query.shape[0], query.shape[-3], query.shape[-2], key.shape[-2])
+    if out.stride(-1) % 16:
+        pad = -out.shape[-1] % 16
+        out = F.pad(out, (0, pad))[..., : key.shape[-2]]
+    if any(s % 16 or s == 0 for s in (out.stride(0), out.stride(1), out.stride(2), out.stride(-1))):
+        out = out.contiguous()
+    return out
+
+
+def _fp32_statistics(out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A norm's (output, mean, rstd) with the statistics in fp32 as CUDA keeps them for fp16/bf16 inputs."""
+    result, mean, rstd = out
+    if mean.dtype not in (torch.float16, torch.bfloat16):
+        return out
+    return result, torch.empty_like(mean, dtype=torch.float32), torch.empty_like(rstd, dtype=torch.float32)
+
+
+DISPATCH_SUBSTITUTES: dict[Any, Any] = {
+    _aten.native_layer_norm.default: _fp32_statistics,
+    _aten.native_group_norm.default: _fp32_statistics,
+}
+"""Below autograd: ops whose CUDA outputs differ from the CPU's, with the function that makes them so."""
+
+
+def use_foreach(optimizer: torch.optim.Optimizer) -> int:
+    """Set ``foreach`` on the groups left to the default (``None``), as ``_default_to_fused_or_foreach`` does for
+    CUDA parameters; ``fused`` and ``differentiable`` groups, and a ``foreach`` the user chose, are left alone.
+    Returns how many groups changed. Call it on the traced twin's optimizer, never the user's."""
+    changed = 0
+    for group in optimizer.param_groups:
+        if (
+            "foreach" in group
+            and group["foreach"] is None
+            and not group.get("fused")
+            and not group.get("differentiable")
+        ):
+            group["foreach"] = True
+            changed += 1
+    return changed
+
+
+_LABELS = {
+    "aten._scaled_dot_product_flash_attention": "cuda: flash attention (select_sdp_backend), its log-sum-exp and "
+    "RNG state",
+    "aten._scaled_dot_product_efficient_attention": "cuda: memory-efficient attention (select_sdp_backend), its "
+    "log-sum-exp padded to 32 rows",
+    "aten._scaled_dot_product_cudnn_attention": "cuda: cuDNN attention (select_sdp_backend), its log-sum-exp",
+    "aten._scaled_dot_product_attention_math": "cuda: math attention (no fused backend accepts the call)",
+    "aten.native_dropout": "cuda: fused native_dropout, a bool mask (the CPU keeps one in the input dtype)",
+    "aten._foreach_": "cuda: foreach optimizer (CUDA's default), group-wide temporaries",
+}
+_STATISTICS = ("aten.native_layer_norm#", "aten.native_group_norm#")
+_STATISTICS_LABEL = "cuda: normalization statistics in fp32 (the CPU keeps the input's dtype)"
+
+
+def kernel_label(entry: Entry, siblings: dict[str, set[str]]) -> str:
+    """Why an entry of a CUDA-kind trace differs from the CPU trace's (``""``: it does not)."""
+    name = entry.name
+    for prefix, label in _LABELS.items():
+        if name.startswith(prefix):
+            return label
+    if name.startswith(_STATISTICS) and entry.dtype == "float32" and siblings.get(name, set()) - {"float32"}:
+        return _STATISTICS_LABEL
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class CudaFacts:
+    """What a CUDA-kind trace records beside its entries."""
+
+    device: Device
+    backends: dict[str, int]
+    dropouts: int
+    foreach_groups: int
+    cublas_config: str | None
+
+
+def cuda_ledger(ledger: Ledger, facts: CudaFacts, *, world_size: int = 1) -> Ledger:
+    """``ledger`` as the CUDA step's: on device ``cuda``, each substituted entry labelled, the cuBLAS workspace
+    declared, the memory outside the allocator (context, NCCL) in ``meta["outside_allocator"]``."""
+    siblings: dict[str, set[str]] = {}
+    for e in ledger.entries:
+        siblings.setdefault(e.name, set()).add(e.dtype)
+    entries = [replace(e, device="cuda", kernel=kernel_label(e, siblings)) for e in ledger.entries]
+    device = facts.device
+    workspace = cublas_workspace_bytes(device, facts.cublas_config)
+    entries.append(
+        Entry(
+            "cuda.cublas_workspace",
+            Category.WORKSPACE,
+            "cublas_workspace",
+            "uint8",
+            workspace,
+            workspace,
+            device="cuda",
+            owner="cuBLAS",
+            evidence=Evidence.DECLARED,
+            kernel="cuda: cuBLAS workspace of the step's one stream, allocated by the first matmul and kept "
+            "(CublasHandlePool.cpp, getChosenWorkspaceSize"
+            + (f", CUBLAS_WORKSPACE_CONFIG={facts.cublas_config})" if facts.cublas_config else ")"),
+        )
+    )
+    outside = [
+        {
+            "name": "cuda_context",
+            "bytes": device.context_bytes,
+            "evidence": "declared",
+            "source": "an estimate (trainledger.devices.CUDA_CONTEXT_BYTES_ESTIMATE); outside memory_allocated",
+        }
+    ]
+    if world_size > 1:
+        outside.append(
+            {
+                "name": "nccl_buffers",
+                "bytes": nccl_buffer_bytes(world_size),
+                "evidence": "declared",
+                "source": "NCCL_BUFFSIZE × 2 × channels, an estimate (trainledger.devices.nccl_buffer_bytes); "
+                "cudaMalloc, outside memory_allocated",
+            }
+        )
+    meta = {
+        **ledger.meta,
+        "kernel_kind": "cuda",
+        "cuda_device": device.name,
+        "compute_capability": list(device.compute_capability) if device.compute_capability else None,
+        "sdpa_backends": dict(facts.backends),
+        "outside_allocator": outside,
+    }
+    return replace(ledger, entries=tuple(entries), device="cuda", notes=(*ledger.notes, cuda_note(facts)), meta=meta)
+
+
+def cuda_note(facts: CudaFacts) -> str:
+    """The note a CUDA-kind ledger carries: what was substituted, and what was not."""
+    backends = ", ".join(f"{n} {k}" for k, n in sorted(facts.backends.items())) or "no SDPA call"
+    cc = facts.device.compute_capability
+    return (
+        f"kernels: cuda as on {facts.device.name}"
+        + (f" (sm{cc[0]}{cc[1]})" if cc else "")
+        + f", traced on fake CPU tensors with CUDA's kernels substituted ({TORCH_SOURCE}): SDPA {backends}; "
+        f"{facts.dropouts} dropouts as native_dropout; LayerNorm/GroupNorm statistics in fp32; foreach optimizer "
+        f"({facts.foreach_groups} groups); cuBLAS workspace declared. Not substituted: autocast's op lists (CPU's), "
+        "kernels' internal buffers (cuDNN workspaces). Unvalidated on a GPU"
+    )
