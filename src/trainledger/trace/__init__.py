@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from trainledger.devices import Device, KernelKind
+from trainledger.devices import Device, KernelKind, SdpaCall, sdpa_backend
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
@@ -26,10 +26,8 @@ from trainledger.trace._cuda import (
     DISPATCH_SUBSTITUTES,
     CudaFacts,
     CudaKernels,
-    SdpaCall,
     cuda_device,
     cuda_ledger,
-    sdpa_backend,
     use_foreach,
 )
 from trainledger.trace._fake import fake_workload

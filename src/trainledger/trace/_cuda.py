@@ -26,10 +26,9 @@ Known limitations:
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,116 +37,15 @@ from torch.overrides import TorchFunctionMode
 from trainledger.devices import (
     DEFAULT_CUDA_DEVICE,
     Device,
+    SdpaCall,
     cublas_workspace_bytes,
     lookup,
     nccl_buffer_bytes,
+    sdpa_backend,
 )
 from trainledger.ledger import Category, Entry, Evidence, Ledger
 
-Backend = Literal["flash", "efficient", "cudnn", "math"]
 TORCH_SOURCE = "PyTorch 2.13 (cf30153c4c131c8164ee7798e5022d810682e2cb)"
-
-_LOW_PRECISION = ("float16", "bfloat16")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SdpaCall:
-    """What ``select_sdp_backend`` looks at in one ``scaled_dot_product_attention`` call."""
-
-    dtype: str
-    """The query's dtype, as torch names it without the prefix."""
-    head_dim: int
-    """The last dimension of query and key (value's is the same in every family traced here)."""
-    num_heads: int
-    num_kv_heads: int
-    """Key/value heads: fewer than ``num_heads`` under grouped-query attention (``enable_gqa``)."""
-    has_mask: bool
-    dropout: float
-    requires_grad: bool
-
-
-def prefers_cudnn(device: Device) -> bool:
-    """``check_prefer_cudnn_attention``: cuDNN's attention comes first on compute capability 9.0, 9.3, 10.0
-    and 10.3 (Hopper, Blackwell data-centre parts), assuming the wheel's cuDNN runtime is newer than 9.15.0
-    and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is unset."""
-    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").lower() in ("1", "true", "on", "yes"):
-        return False
-    cc = device.compute_capability
-    return cc is not None and cc[0] in (9, 10) and cc[1] in (0, 3)
-
-
-def _flash_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
-    """``can_use_flash_attention``: sm80 to sm121, fp16/bf16, head dim ≤ 256, no mask; on sm86/89/120/121
-    training rejects head dims in (192, 224] and above 224 with dropout."""
-    if not ((8, 0) <= cc <= (12, 1)) or call.dtype not in _LOW_PRECISION or call.has_mask:
-        return False
-    if call.head_dim > 256:
-        return False
-    if call.requires_grad and cc in ((8, 6), (8, 9), (12, 0), (12, 1)):
-        d = call.head_dim
-        if 192 < d <= 224 or (d > 224 and call.dropout > 0):
-            return False
-    return True
-
-
-def _efficient_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
-    """``can_use_mem_efficient_attention``: sm50 and later; fp32 and fp16, bf16 from sm80; the head dim a
-    multiple of the GEMM alignment (8 for 16-bit types on tensor cores, 4 for fp32 from sm80)."""
-    if cc < (5, 0):
-        return False
-    if call.dtype not in ("float32", "float16") and not (call.dtype == "bfloat16" and cc >= (8, 0)):
-        return False
-    half = call.dtype in _LOW_PRECISION
-    alignment = 1
-    if cc >= (8, 0):
-        alignment = 4
-    if cc >= (8, 0) or (cc >= (7, 0) and half):  # use_tensor_cores
-        alignment = max(alignment, 128 // (16 if half else 32))
-    return call.head_dim % alignment == 0
-
-
-def _cudnn_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
-    """``can_use_cudnn_attention``, conservatively: sm80 and later, fp16/bf16, head dim a multiple of 8 up to
-    128, no mask, no dropout, no grouped-query heads (the cases its checks accept in every cuDNN 9 release)."""
-    return (
-        cc >= (8, 0)
-        and call.dtype in _LOW_PRECISION
-        and call.head_dim % 8 == 0
-        and call.head_dim <= 128
-        and not call.has_mask
-        and call.dropout == 0
-        and call.num_kv_heads == call.num_heads
-    )
-
-
-def sdpa_backend(device: Device, call: SdpaCall) -> Backend:
-    """The SDPA backend PyTorch's CUDA dispatcher picks (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``,
-    ``select_sdp_backend``): the first of its priority order whose checks pass, math when none does.
-
-    Order: flash, memory-efficient, math; cuDNN first where :func:`prefers_cudnn`. AMD parts (ROCm, no
-    compute capability) use flash where :attr:`Device.flash_attention` says so, else memory-efficient.
-
-    Example:
-        >>> from trainledger.devices import lookup
-        >>> call = SdpaCall(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=8, has_mask=False,
-        ...                 dropout=0.0, requires_grad=True)
-        >>> sdpa_backend(lookup("A100"), call), sdpa_backend(lookup("H100"), call)
-        ('flash', 'cudnn')
-        >>> sdpa_backend(lookup("V100"), call), sdpa_backend(lookup("A100"), replace(call, has_mask=True))
-        ('math', 'efficient')
-    """
-    cc = device.compute_capability
-    if cc is None:  # ROCm: AOTriton's flash and memory-efficient kernels
-        if device.flash_attention and call.dtype in _LOW_PRECISION and not call.has_mask and call.head_dim <= 256:
-            return "flash"
-        return "efficient" if call.num_kv_heads == call.num_heads else "math"
-    if prefers_cudnn(device) and _cudnn_ok(cc, call):
-        return "cudnn"
-    if _flash_ok(cc, call):
-        return "flash"
-    if _efficient_ok(cc, call):
-        return "efficient"
-    return "math"
 
 
 def cuda_device(name: str | Device | None) -> Device:
@@ -222,9 +120,7 @@ class CudaKernels(TorchFunctionMode):
             return _aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
             )[0]
-        if call.num_kv_heads != call.num_heads and backend != "flash":  # flash reads grouped heads as they are
-            groups = call.num_heads // call.num_kv_heads
-            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        # the fused kernels read grouped key/value heads as they are (attention.cpp passes them through)
         if backend == "flash":
             return _flash(query, key, value, dropout_p, is_causal, scale)
         if backend == "cudnn":
