@@ -207,9 +207,13 @@ def _trace_step(
                 ledger, kernels = _trace(twin, progress, fake=True, cuda=cuda)
             except InputError as exc:
                 if "DynamicOutputShape" in str(exc) or "DataDependentOutput" in str(exc):
+                    fix = (
+                        "a CUDA-kind trace runs on fake tensors only: trace it with --device-kind cpu"
+                        if cuda is not None
+                        else "trace it without --fake"
+                    )
                     raise InputError(
-                        f"the step has data-dependent shapes, which fake tensors cannot run ({exc}); "
-                        "trace it without --fake"
+                        f"the step has data-dependent shapes, which fake tensors cannot run ({exc}); {fix}"
                     ) from exc
                 raise
         return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True}), kernels

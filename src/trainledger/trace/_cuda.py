@@ -22,6 +22,8 @@ Known limitations:
     - Autocast runs CPU's op lists (on CUDA softmax and layer_norm run in fp32 under autocast): said in a note.
     - The math SDPA backend (rare on CUDA) still drops out through the CPU's dropout inside the op.
     - cuDNN convolution workspaces and other buffers kernels allocate inside one op are not modelled.
+    - Recurrent layers run the CPU's kernel on fake tensors: cuDNN's RNN reserve space is not modelled.
+    - A step with data-dependent shapes (top-k routing through ``nonzero``) cannot run on fake tensors.
 """
 
 from __future__ import annotations
@@ -291,5 +293,5 @@ def cuda_note(facts: CudaFacts) -> str:
         + f", traced on fake CPU tensors with CUDA's kernels substituted ({TORCH_SOURCE}): SDPA {backends}; "
         f"{facts.dropouts} dropouts as native_dropout; LayerNorm/GroupNorm statistics in fp32; foreach optimizer "
         f"({facts.foreach_groups} groups); cuBLAS workspace declared. Not substituted: autocast's op lists (CPU's), "
-        "kernels' internal buffers (cuDNN workspaces). Unvalidated on a GPU"
+        "kernels' internal buffers (cuDNN convolution workspaces, cuDNN RNN reserve space). Unvalidated on a GPU"
     )
