@@ -205,3 +205,15 @@ def test_analytic_cuda_variant_within_1_percent_of_the_cuda_kind_trace(path, att
     assert abs(a.bytes - t.bytes) <= 0.01 * t.bytes and a.phase == t.phase == "backward"
     acts = analytic.category_maxima()["activations"], traced.category_maxima()["activations"]
     assert abs(acts[0] - acts[1]) <= 0.01 * acts[1]
+
+
+def test_cli_trace_and_estimate_name_the_kernel_kind_first(cli, cli_json):
+    code, out, _ = cli("trace", "--model", "mlp", "--device-kind", "cuda", "--device", "a100")
+    assert code == 0 and out.splitlines()[1].startswith("kernels: cuda as on A100-80GB")
+    assert "cuda_context 536,870,912 bytes" in out.splitlines()[2]
+    data = cli_json("trace", "--model", "mlp", "--device-kind", "cuda")
+    assert (data["kernel_kind"], data["device"], data["meta"]["cuda_device"]) == ("cuda", "cuda", "H100-80GB-SXM")
+    code, out, _ = cli("estimate", "--hf-config", str(FIXTURES / "llama-small.json"), "--device", "l4")
+    assert code == 0 and out.startswith("kernels: cuda as on L4")
+    code, _, err = cli("trace", "--model", "mlp", "--device-kind", "cuda", "--measure")
+    assert code == 2 and "--device-kind cuda" in err
