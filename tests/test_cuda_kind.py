@@ -217,3 +217,40 @@ def test_cli_trace_and_estimate_name_the_kernel_kind_first(cli, cli_json):
     assert code == 0 and out.startswith("kernels: cuda as on L4")
     code, _, err = cli("trace", "--model", "mlp", "--device-kind", "cuda", "--measure")
     assert code == 2 and "--device-kind cuda" in err
+
+
+def test_cuda_autocast_lists_are_the_builds_autocast_cuda_kernels():
+    """Every op holding an ``AutocastCUDA`` kernel in this build has exactly one policy, and no other op has one."""
+    from trainledger.trace._autocast import _FP32, _LOWER, _PROMOTE, _SET_OPT_DTYPE, POLICIES, autocast_ops
+
+    lists = [*_LOWER.split(), *_FP32.split(), *_SET_OPT_DTYPE.split(), *_PROMOTE.split()]
+    assert len(lists) == len(set(lists))
+    assert set(POLICIES) == autocast_ops("AutocastCUDA")
+
+
+class _Softmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(32, 32), nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x).softmax(-1)).sum()
+
+
+def test_autocast_runs_cudas_lists_softmax_and_layer_norm_in_fp32():
+    def step() -> Workload:
+        w = Workload(_Softmax(), torch.randn(16, 32), name="autocast")
+        w.autocast_dtype = torch.bfloat16
+        return w
+
+    def saved(led, op):
+        return [e.dtype for e in led.entries if e.name.startswith(op) and e.category == Category.ACTIVATIONS]
+
+    cuda = trace(step(), kernel_kind="cuda")
+    cpu = trace(step(), fake=True, kernel_workspace=False)
+    assert saved(cuda, "aten._softmax#") == ["float32"] and saved(cpu, "aten._softmax#") == ["bfloat16"]
+    # linear runs in low precision on both: its input's bf16 cast is saved for the weight's gradient
+    assert saved(cuda, "aten._to_copy#") == saved(cpu, "aten._to_copy#") == ["bfloat16"]
+    assert any("autocast with CUDA's op lists" in n for n in cuda.notes)
+    after = trace(step(), fake=True, kernel_workspace=False)  # the CPU's own autocast kernels are back
+    assert saved(after, "aten._softmax#") == ["bfloat16"]

@@ -221,10 +221,7 @@ def render(result: EstimateResult, console: Console, *, device: Device | None = 
     led, s = result.ledger, result.setup
     pk = led.peak()
     if s.device == "cuda":
-        kinds = (
-            f"kernels: cuda as on {s.card.name} (--device-kind: cuda by default, cpu to compare with a trace on this "
-            f"machine; `trace --device-kind cuda` traces the CUDA step)"
-        )
+        kinds = f"kernels: cuda as on {s.card.name} (--device-kind: cuda by default, cpu to compare with a trace here)"
     else:
         kinds = "kernels: cpu (--device-kind: cuda by default, cpu to compare with a trace on this machine)"
     first = [kinds] + ([device_line(device)] if device is not None else [])

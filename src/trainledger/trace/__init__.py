@@ -355,10 +355,10 @@ def _trace(
 ) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
     model, reference = workload.model, workload.reference
     optimizer = workload.get_optimizer()
-    kernels = CudaKernels(cuda) if cuda is not None else None
+    kernels = CudaKernels(cuda, autocast=workload.autocast_dtype is not None) if cuda is not None else None
     foreach_groups = use_foreach(optimizer) if cuda is not None else 0  # the fake twin's optimizer
     with _user_errors("the warm-up step"), kernels or contextlib.nullcontext():
-        run_step(workload)
+        run_step(workload, on_phase=kernels.on_phase if kernels is not None else None)
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots)
@@ -377,12 +377,13 @@ def _trace(
             mark_optimizer_outputs(tracer, model, optimizer)
         if phase != "end":
             tracer.phase = phase
+        if kernels is not None:
+            kernels.on_phase(phase)
 
     scopes.open()
     try:
         if kernels is not None:  # count the traced step's calls only
-            kernels.backends.clear()
-            kernels.dropouts = 0
+            kernels.reset()
         with quiet_gc(generation=1), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
             with _user_errors("the traced step"), kernels or contextlib.nullcontext():
                 start = time.perf_counter()
@@ -398,7 +399,8 @@ def _trace(
     resized = tracer.size_outputs_as_the_real_kernels() if fake and kernels is None else 0
     facts = None
     if kernels is not None:
-        facts = CudaFacts(cuda, dict(kernels.backends), kernels.dropouts, foreach_groups, _cublas_config())
+        amp = kernels.autocast.num_calls if kernels.autocast is not None else None
+        facts = CudaFacts(cuda, dict(kernels.backends), kernels.dropouts, foreach_groups, _cublas_config(), amp)
     ledger = traced_ledger(
         tracer,
         name=workload.name,

@@ -15,11 +15,12 @@ else than the CPU's, what the CUDA kernel would have done (PyTorch 2.13):
   fp32 for fp16/bf16 inputs (the accumulate type), the CPU kernels in the input's dtype.
 - **The optimizer**: ``foreach`` (``_default_to_fused_or_foreach`` picks it when every parameter is a CUDA
   tensor; fused is never the default), so the group-wide temporaries of ``_multi_tensor_*`` are traced.
+- **Autocast**: CUDA autocast's op lists (softmax, LayerNorm, ``exp``, ``pow``, ``sum``… in fp32) applied to
+  the CPU step (:mod:`trainledger.trace._autocast`).
 - **cuBLAS workspace**: a declared persistent entry per stream (:func:`trainledger.devices.cublas_workspace_bytes`);
   the CUDA context and NCCL's buffers, outside the caching allocator, are stated beside the ledger, not in it.
 
 Known limitations:
-    - Autocast runs CPU's op lists (on CUDA softmax and layer_norm run in fp32 under autocast): said in a note.
     - The math SDPA backend (rare on CUDA) still drops out through the CPU's dropout inside the op.
     - cuDNN convolution workspaces and other buffers kernels allocate inside one op are not modelled.
     - Recurrent layers run the CPU's kernel on fake tensors: cuDNN's RNN reserve space is not modelled.
@@ -46,6 +47,7 @@ from trainledger.devices import (
     sdpa_backend,
 )
 from trainledger.ledger import Category, Entry, Evidence, Ledger
+from trainledger.trace._autocast import CudaAutocast
 
 TORCH_SOURCE = "PyTorch 2.13 (cf30153c4c131c8164ee7798e5022d810682e2cb)"
 
@@ -68,11 +70,38 @@ class CudaKernels(TorchFunctionMode):
 
     ``backends`` counts the SDPA backends chosen, ``dropouts`` the dropouts substituted."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, *, autocast: bool = False) -> None:
         super().__init__()
         self.device = device
         self.backends: Counter[str] = Counter()
         self.dropouts = 0
+        self.autocast = CudaAutocast() if autocast else None
+        """With ``autocast``: CPU autocast runs CUDA autocast's op lists while the mode is on."""
+
+    def __enter__(self) -> CudaKernels:
+        if self.autocast is not None:
+            self.autocast.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self.autocast is not None:
+                self.autocast.__exit__()
+
+    def on_phase(self, phase: str) -> None:
+        """Backward begins after autocast's region exits, which empties autocast's cast cache."""
+        if phase == "backward" and self.autocast is not None:
+            self.autocast.clear()
+
+    def reset(self) -> None:
+        """Count the next step's calls only."""
+        self.backends.clear()
+        self.dropouts = 0
+        if self.autocast is not None:
+            self.autocast.num_calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -227,6 +256,8 @@ class CudaFacts:
     dropouts: int
     foreach_groups: int
     cublas_config: str | None
+    autocast_calls: int | None = None
+    """Calls that CUDA autocast's lists cast (``None``: the step runs without autocast)."""
 
 
 def cuda_ledger(ledger: Ledger, facts: CudaFacts, *, world_size: int = 1) -> Ledger:
@@ -292,6 +323,13 @@ def cuda_note(facts: CudaFacts) -> str:
         + (f" (sm{cc[0]}{cc[1]})" if cc else "")
         + f", traced on fake CPU tensors with CUDA's kernels substituted ({TORCH_SOURCE}): SDPA {backends}; "
         f"{facts.dropouts} dropouts as native_dropout; LayerNorm/GroupNorm statistics in fp32; foreach optimizer "
-        f"({facts.foreach_groups} groups); cuBLAS workspace declared. Not substituted: autocast's op lists (CPU's), "
-        "kernels' internal buffers (cuDNN convolution workspaces, cuDNN RNN reserve space). Unvalidated on a GPU"
+        f"({facts.foreach_groups} groups); cuBLAS workspace declared"
+        + (
+            f"; autocast with CUDA's op lists ({facts.autocast_calls} calls cast; softmax, LayerNorm, exp, pow, sum "
+            "in fp32)"
+            if facts.autocast_calls is not None
+            else ""
+        )
+        + ". Not substituted: kernels' internal buffers (cuDNN convolution workspaces, cuDNN RNN reserve space). "
+        "Unvalidated on a GPU"
     )
