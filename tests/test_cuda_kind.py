@@ -254,3 +254,17 @@ def test_autocast_runs_cudas_lists_softmax_and_layer_norm_in_fp32():
     assert any("autocast with CUDA's op lists" in n for n in cuda.notes)
     after = trace(step(), fake=True, kernel_workspace=False)  # the CPU's own autocast kernels are back
     assert saved(after, "aten._softmax#") == ["bfloat16"]
+
+
+def test_stacked_cuda_trace_equals_the_whole_model_traced():
+    from trainledger.examples import gpt_tiny
+    from trainledger.trace import trace_stacked
+
+    def build(depth: int) -> Workload:
+        return gpt_tiny(n_layer=depth, n_embd=16, n_head=2, seq_len=8, batch_size=2)
+
+    stacked = trace_stacked(build, 6, kernel_kind="cuda", cuda_device="a100")
+    whole = trace(build(6), kernel_kind="cuda", cuda_device="a100")
+    assert stacked.meta["blocks"]["extended"] and stacked.meta["cuda_device"] == "A100-80GB"
+    assert stacked.peak() == whole.peak() and len(stacked.entries) == len(whole.entries)
+    assert sorted(e.kernel for e in stacked.entries) == sorted(e.kernel for e in whole.entries)

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections import Counter
@@ -287,13 +288,31 @@ def trace_stacked(
         return whole(f"{num_blocks} blocks are no deeper than the traces")
     fake = fake or gpu is not None
     traced = {d: _trace_step(build(d), fake=fake, progress=progress, cuda=gpu) for d in depths}
+    facts = {d: led.meta.pop("cuda_facts", None) for d, (led, _) in traced.items()}  # counts grow with depth
     try:
         ledger, kernels = _extended(traced, depths, num_blocks)
     except NotRepeating as exc:
         return whole(str(exc))
     if gpu is not None:
-        return _as_cuda(ledger, world_size)
+        meta = {**ledger.meta, "cuda_facts": _extend_facts(facts[depths[0]], facts[depths[1]], depths, num_blocks)}
+        return _as_cuda(ledger.with_entries(ledger.entries, meta=meta), world_size)
     return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+
+
+def _extend_facts(base: CudaFacts, next_: CudaFacts, depths: list[int], num_blocks: int) -> CudaFacts:
+    """The CUDA facts' counts (SDPA calls, dropouts, autocast casts) at ``num_blocks``: each block adds what one
+    block added between the first two depths traced."""
+    per = num_blocks - depths[0]
+    blocks = depths[1] - depths[0]
+
+    def grow(a: int, b: int) -> int:
+        return a + per * (b - a) // blocks
+
+    backends = {k: grow(base.backends.get(k, 0), next_.backends.get(k, 0)) for k in {*base.backends, *next_.backends}}
+    amp = None if base.autocast_calls is None else grow(base.autocast_calls, next_.autocast_calls or 0)
+    return dataclasses.replace(
+        base, backends=backends, dropouts=grow(base.dropouts, next_.dropouts), autocast_calls=amp
+    )
 
 
 def _extended(

@@ -423,8 +423,9 @@ def _parameter_of(r: _Storage) -> str:
     return r.owner if r.phase == "optimizer" and r.category is None else ""
 
 
-def _order(r: _Storage) -> tuple[int, str]:
-    return (-1 if r.alloc_event is None else r.alloc_event, r.name)
+def _order(r: _Storage) -> tuple[int, str, str]:
+    # the owner orders a foreach op's outputs (one event, one name, one per parameter) as the extension does
+    return (-1 if r.alloc_event is None else r.alloc_event, r.name, r.owner)
 
 
 def _entry(r: _Storage, evidence: Evidence) -> Entry:
