@@ -120,7 +120,9 @@ def test_estimate_with_a_device_adds_keys_and_changes_none(cli_json, cli):
 
 def test_estimate_says_its_default_kernel_kind_first(cli):
     code, out, _ = cli("estimate", "--hf-config", str(HF / "llama-small.json"), "--seq-len", "512")
-    assert code == 0 and out.splitlines()[0].startswith("kernels: cuda (--device-kind: cuda by default")
+    assert code == 0 and out.splitlines()[0].startswith(
+        "kernels: cuda as on H100-80GB-SXM (--device-kind: cuda by default"
+    )
     assert re.search(r"^peak [\d,]+ bytes .*evidence analytic \(cuda kernels\)", out, re.M)
 
 
