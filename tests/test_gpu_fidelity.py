@@ -12,7 +12,7 @@ import pytest
 
 from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.analytic import FitOptions, Setup, fit
-from trainledger.devices import lookup
+from trainledger.devices import cublas_workspace_bytes, lookup
 from trainledger.ledger import Category, Entry, Event, Ledger
 
 MiB = 1 << 20
@@ -100,12 +100,18 @@ def test_fit_takes_a_device_or_a_memory_size_not_both(cli):
 def test_estimate_with_a_device_adds_keys_and_changes_none(cli_json, cli):
     args = ("estimate", "--hf-config", str(HF / "llama-small.json"), "--seq-len", "512")
     plain = cli_json(*args)
+    on_h100 = cli_json(*args, "--device", "h100")  # the card the cuda kind assumes without one: the same step
+    for out in (plain, on_h100):
+        for setup in (out["setup"], out["meta"]["setup"]):
+            setup.pop("gpu")
+    assert set(plain) <= set(on_h100) and {k: on_h100[k] for k in plain} == plain
     on_l4 = cli_json(*args, "--device", "l4")
-    assert set(plain) <= set(on_l4) and {k: on_l4[k] for k in plain} == plain
+    workspace = cublas_workspace_bytes(lookup("h100")) - cublas_workspace_bytes(lookup("l4"))
+    assert plain["peak"]["bytes"] - on_l4["peak"]["bytes"] == workspace  # sm89's cuBLAS workspace: 8.1 MiB
     pred = on_l4["allocator"]
     assert pred["evidence"] == "analytic" and pred["kernel_kind"] == "cuda" == on_l4["kernel_kind"]
     assert pred["capacity_bytes"] == lookup("l4").usable_bytes and pred["verdict"] == "fits"
-    assert pred["max_reserved_bytes"] >= pred["max_allocated_bytes"] >= plain["peak"]["bytes"]
+    assert pred["max_reserved_bytes"] >= pred["max_allocated_bytes"] >= on_l4["peak"]["bytes"]
     code, out, _ = cli(*args, "--device", "l4")
     first = out.splitlines()[:2]
     assert first[0].startswith("kernels: cuda") and first[1].startswith("device L4: usable")
@@ -114,7 +120,9 @@ def test_estimate_with_a_device_adds_keys_and_changes_none(cli_json, cli):
 
 def test_estimate_says_its_default_kernel_kind_first(cli):
     code, out, _ = cli("estimate", "--hf-config", str(HF / "llama-small.json"), "--seq-len", "512")
-    assert code == 0 and out.splitlines()[0].startswith("kernels: cuda (--device-kind: cuda by default")
+    assert code == 0 and out.splitlines()[0].startswith(
+        "kernels: cuda as on H100-80GB-SXM (--device-kind: cuda by default"
+    )
     assert re.search(r"^peak [\d,]+ bytes .*evidence analytic \(cuda kernels\)", out, re.M)
 
 

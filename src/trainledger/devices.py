@@ -26,8 +26,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from dataclasses import dataclass
+import os
 from typing import Literal
 
 from trainledger.errors import InputError
@@ -41,7 +42,7 @@ the driver, the CUDA version (lazy module loading) and the torch build. To measu
 ``total - torch.cuda.mem_get_info()[0]`` after the first CUDA op, before any tensor is allocated."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Device:
     """One accelerator model."""
 
@@ -112,6 +113,170 @@ def kernel_kind(device: str) -> KernelKind:
         ('cuda', 'cpu')
     """
     return "cuda" if device.split(":")[0] == "cuda" else "cpu"
+
+
+DEFAULT_CUDA_DEVICE = "H100-80GB-SXM"
+"""The card a CUDA-kind figure assumes when only ``cuda`` is named: an H100/H200-class part (sm90)."""
+
+KiB = 1 << 10
+_CUBLAS_DEFAULT_WORKSPACE = ((4096 * KiB, 2), (16 * KiB, 8))
+_CUBLAS_LARGE_WORKSPACE = ((4096 * KiB, 8),)
+_CUBLAS_LARGE_MAJORS = (9, 10, 12)
+
+
+def cublas_workspace_bytes(device: Device, config: str | None = None) -> int:
+    """Bytes of the cuBLAS workspace PyTorch allocates per (handle, stream) through its caching allocator.
+
+    PyTorch 2.13, ``aten/src/ATen/cuda/CublasHandlePool.cpp`` (``getChosenWorkspaceSize``): the sum of
+    ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KiB:COUNT`` pairs when it is set; otherwise ``4096 KiB × 2 + 16 KiB × 8``
+    (8,519,680 bytes), or ``4096 KiB × 8`` (32 MiB) on compute capability 9.x, 10.x and 12.x. cuBLASLt's
+    workspace is the same block unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0``. It is kept for the life of the
+    process once a matmul ran on the stream (``cublas_handle_stream_to_workspace``), so a steady-state step
+    holds it throughout. ROCm builds size hipBLASLt differently: the default stands there, unvalidated.
+
+    Example:
+        >>> cublas_workspace_bytes(lookup("A100")), cublas_workspace_bytes(lookup("H100")) // MiB
+        (8519680, 32)
+        >>> cublas_workspace_bytes(lookup("H100"), ":4096:2:16:8")
+        8519680
+    """
+    if config:
+        pairs = config.split(":")[1:]
+        try:
+            numbers = [int(x) for x in pairs]
+        except ValueError:
+            numbers = []
+        if not numbers or len(numbers) % 2:
+            raise InputError(
+                f"CUBLAS_WORKSPACE_CONFIG {config!r} is not a list of :SIZE_KiB:COUNT pairs (e.g. :4096:8)"
+            )
+        return sum(size * KiB * count for size, count in zip(numbers[::2], numbers[1::2], strict=True))
+    cc = device.compute_capability
+    sizes = _CUBLAS_LARGE_WORKSPACE if cc is not None and cc[0] in _CUBLAS_LARGE_MAJORS else _CUBLAS_DEFAULT_WORKSPACE
+    return sum(size * count for size, count in sizes)
+
+
+NCCL_BUFFSIZE = 4 * MiB
+"""NCCL's default ``NCCL_BUFFSIZE``: the Simple protocol's buffer per channel and peer connection."""
+NCCL_CHANNELS_ESTIMATE = 16
+
+
+def nccl_buffer_bytes(world_size: int, *, buffsize: int = NCCL_BUFFSIZE, channels: int = NCCL_CHANNELS_ESTIMATE) -> int:
+    """An estimate of the device memory one rank's NCCL communicator holds for a ring over ``world_size``
+    ranks: a send and a receive buffer of ``NCCL_BUFFSIZE`` per channel (the LL and LL128 protocols' smaller
+    buffers left out). NCCL allocates it with ``cudaMalloc``, outside PyTorch's caching allocator; the channel
+    count depends on the topology (NCCL picks it at init), so this is an order of magnitude, unvalidated.
+
+    Example:
+        >>> nccl_buffer_bytes(1), nccl_buffer_bytes(8) // MiB
+        (0, 128)
+    """
+    return 0 if world_size <= 1 else 2 * buffsize * channels
+
+
+SdpaBackend = Literal["flash", "efficient", "cudnn", "math"]
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SdpaCall:
+    """What ``select_sdp_backend`` looks at in one ``scaled_dot_product_attention`` call."""
+
+    dtype: str
+    """The query's dtype, as torch names it without the prefix."""
+    head_dim: int
+    """The last dimension of query and key (value's is the same in every family traced here)."""
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads: fewer than ``num_heads`` under grouped-query attention (``enable_gqa``)."""
+    has_mask: bool
+    dropout: float
+    requires_grad: bool
+
+
+def prefers_cudnn(device: Device) -> bool:
+    """``check_prefer_cudnn_attention``: cuDNN's attention comes first on compute capability 9.0, 9.3, 10.0
+    and 10.3 (Hopper, Blackwell data-centre parts), assuming the wheel's cuDNN runtime is newer than 9.15.0
+    and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is unset."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").lower() in ("1", "true", "on", "yes"):
+        return False
+    cc = device.compute_capability
+    return cc is not None and cc[0] in (9, 10) and cc[1] in (0, 3)
+
+
+def _flash_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
+    """``can_use_flash_attention``: sm80 to sm121, fp16/bf16, head dim ≤ 256, no mask; on sm86/89/120/121
+    training rejects head dims in (192, 224] and above 224 with dropout."""
+    if not ((8, 0) <= cc <= (12, 1)) or call.dtype not in _LOW_PRECISION or call.has_mask:
+        return False
+    if call.head_dim > 256:
+        return False
+    if call.requires_grad and cc in ((8, 6), (8, 9), (12, 0), (12, 1)):
+        d = call.head_dim
+        if 192 < d <= 224 or (d > 224 and call.dropout > 0):
+            return False
+    return True
+
+
+def _efficient_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
+    """``can_use_mem_efficient_attention``: sm50 and later; fp32 and fp16, bf16 from sm80; the head dim a
+    multiple of the GEMM alignment (8 for 16-bit types on tensor cores, 4 for fp32 from sm80); as many key/value
+    heads as query heads (``check_batch_size_and_num_heads_dense<false>``: its backward returns gradients with
+    the query's heads, so grouped heads fall back to math)."""
+    if cc < (5, 0) or call.num_kv_heads != call.num_heads:
+        return False
+    if call.dtype not in ("float32", "float16") and not (call.dtype == "bfloat16" and cc >= (8, 0)):
+        return False
+    half = call.dtype in _LOW_PRECISION
+    alignment = 1
+    if cc >= (8, 0):
+        alignment = 4
+    if cc >= (8, 0) or (cc >= (7, 0) and half):  # use_tensor_cores
+        alignment = max(alignment, 128 // (16 if half else 32))
+    return call.head_dim % alignment == 0
+
+
+def _cudnn_ok(cc: tuple[int, int], call: SdpaCall) -> bool:
+    """``can_use_cudnn_attention``, conservatively: sm80 and later, fp16/bf16, head dim a multiple of 8 up to
+    128, no mask, no dropout, no grouped-query heads (the cases its checks accept in every cuDNN 9 release)."""
+    return (
+        cc >= (8, 0)
+        and call.dtype in _LOW_PRECISION
+        and call.head_dim % 8 == 0
+        and call.head_dim <= 128
+        and not call.has_mask
+        and call.dropout == 0
+        and call.num_kv_heads == call.num_heads
+    )
+
+
+def sdpa_backend(device: Device, call: SdpaCall) -> SdpaBackend:
+    """The SDPA backend PyTorch's CUDA dispatcher picks (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``,
+    ``select_sdp_backend``): the first of its priority order whose checks pass, math when none does.
+
+    Order: flash, memory-efficient, math; cuDNN first where :func:`prefers_cudnn`. AMD parts (ROCm, no
+    compute capability) use flash where :attr:`Device.flash_attention` says so, else memory-efficient.
+
+    Example:
+        >>> call = SdpaCall(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=8, has_mask=False,
+        ...                 dropout=0.0, requires_grad=True)
+        >>> sdpa_backend(lookup("A100"), call), sdpa_backend(lookup("H100"), call)
+        ('flash', 'cudnn')
+        >>> sdpa_backend(lookup("V100"), call), sdpa_backend(lookup("A100"), dataclasses.replace(call, has_mask=True))
+        ('math', 'efficient')
+    """
+    cc = device.compute_capability
+    if cc is None:  # ROCm: AOTriton's flash and memory-efficient kernels
+        if device.flash_attention and call.dtype in _LOW_PRECISION and not call.has_mask and call.head_dim <= 256:
+            return "flash"
+        return "efficient" if call.num_kv_heads == call.num_heads else "math"
+    if prefers_cudnn(device) and _cudnn_ok(cc, call):
+        return "cudnn"
+    if _flash_ok(cc, call):
+        return "flash"
+    if _efficient_ok(cc, call):
+        return "efficient"
+    return "math"
 
 
 def _gb(n: int) -> int:

@@ -110,6 +110,9 @@ class Entry:
     """Other names of the same storage (tied weights): counted once, listed for the reader."""
     last_use_event: int | None = None
     """For activations saved for backward: the event of their last use in backward."""
+    kernel: str = ""
+    """Where the entry differs from what the CPU kernels make, why (a CUDA-kind trace: ``cuda: flash attention
+    ...``); ``""`` when it does not. Left out of the JSON when empty."""
 
     def __post_init__(self) -> None:
         assert self.nbytes >= 0 and self.numel >= 0, (self.name, self.nbytes, self.numel)
@@ -133,6 +136,8 @@ class Entry:
         d["evidence"] = str(self.evidence)
         d["shape"] = list(self.shape)
         d["aliases"] = list(self.aliases)
+        if not self.kernel:
+            del d["kernel"]
         return d
 
     @classmethod

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._setup import Setup
+from trainledger.devices import SdpaBackend, SdpaCall, sdpa_backend
 from trainledger.units import DTYPE_BYTES
 
 
@@ -82,6 +83,36 @@ def _mask(setup: Setup) -> str:
     return "bool" if setup.device == "cuda" else _act(setup)
 
 
+def sdpa_backend_of(spec: ArchSpec, setup: Setup) -> SdpaBackend | None:
+    """The SDPA backend a cuda step's attention runs (``None`` on the CPU): transformers passes grouped key/value
+    heads through (``enable_gqa``) when there is no mask and the head dim is at most 256, and the step's causal
+    attention has no mask (``is_causal``)."""
+    if setup.device != "cuda":
+        return None
+    call = SdpaCall(
+        dtype=_act(setup),
+        head_dim=spec.head_dim,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads if spec.head_dim <= 256 else spec.num_heads,
+        has_mask=False,
+        dropout=spec.attn_dropout,
+        requires_grad=True,
+    )
+    return sdpa_backend(setup.card, call)
+
+
+def _math_attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
+    """The math SDPA kernel (``_scaled_dot_product_attention_math``): q, k, v upcast to fp32 (k, v repeated to the
+    query's heads), the fp32 softmax, with dropout its mask and the dropped weights (three T×T tensors)."""
+    T, nh, hd = setup.seq_len, spec.num_heads, spec.head_dim
+    q, scores = rows * nh * T * hd, rows * nh * T * T
+    out = [Saved(f"{p}q", q, "float32"), Saved(f"{p}k", q, "float32"), Saved(f"{p}v", q, "float32")]
+    kept = ("softmax", "dropout.mask", "dropped") if spec.attn_dropout > 0 else ("softmax",)
+    out += [Saved(f"{p}{n}", scores, "float32", core=True) for n in kept]
+    out.append(Saved(f"{p}o_proj.input", rows * T * nh * hd, _act(setup)))
+    return out
+
+
 def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     """The attention core between the QKV projection and the output projection (its input excluded)."""
     T, nh, nkv, hd = setup.seq_len, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -108,23 +139,24 @@ def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
             ]
         out.append(Saved(f"{p}o_proj.input", N * nh * hd, a))
         return out
-    if drop and setup.device == "cpu":
-        # SDPA with dropout on CPU runs the math kernel: fp32 copies of q, k, v and three T×T tensors
-        out += [Saved(f"{p}q", q, "float32"), Saved(f"{p}k", q, "float32"), Saved(f"{p}v", q, "float32")]
-        out += [Saved(f"{p}{n}", scores, "float32", core=True) for n in ("softmax", "dropout.mask", "dropped")]
-        out.append(Saved(f"{p}o_proj.input", N * nh * hd, a))
-        return out
-    # flash / memory-efficient: q, k, v, the output and the fp32 log-sum-exp; GQA keeps nkv heads
+    backend = sdpa_backend_of(spec, setup)
+    if (drop and setup.device == "cpu") or backend == "math":
+        # SDPA with dropout on CPU, or no fused CUDA kernel accepting the call: the math kernel
+        return _math_attention(spec, setup, rows, p)
+    # flash / memory-efficient / cuDNN: q, k, v, the output and the fp32 log-sum-exp; GQA keeps nkv heads
     if spec.family == "gpt2":  # q, k, v are views of c_attn's output: one storage
         out.append(Saved(f"{p}qkv", 3 * q, a))
     elif spec.family == "gpt_neox":  # q, k rotated into new tensors; v is a view of the fused QKV output
         out += [Saved(f"{p}q", q, a), Saved(f"{p}k", q, a), Saved(f"{p}qkv", 3 * q, a)]
     else:
         out += [Saved(f"{p}q", q, a), Saved(f"{p}k", kv, a), Saved(f"{p}v", kv, a)]
-    out += [Saved(f"{p}logsumexp", rows * nh * T, "float32"), Saved(f"{p}out", q, a)]
-    if spec.family in ("gpt_neox", "phi"):
-        # q is a fresh (B, nh, T, hd) tensor here (partial rotary: a cat), so is the output, and the reshape
-        # before the output projection copies it; elsewhere the output is laid out (B, T, nh, hd) already
+    # memory-efficient attention pads its log-sum-exp to a multiple of 32 rows (sm80+ CUDA kernels)
+    lse_rows = -(-T // 32) * 32 if backend == "efficient" else T
+    out += [Saved(f"{p}logsumexp", rows * nh * lse_rows, "float32"), Saved(f"{p}out", q, a)]
+    if spec.family in ("gpt_neox", "phi") and backend != "efficient":
+        # q is a fresh (B, nh, T, hd) tensor here (partial rotary: a cat), so is the output (flash and cuDNN lay it
+        # out as the query), and the reshape before the output projection copies it; elsewhere, and always with
+        # memory-efficient attention (its output is allocated (B, T, nh, hd)), no copy is made
         out.append(Saved(f"{p}o_proj.input", N * nh * hd, a))
     return out
 

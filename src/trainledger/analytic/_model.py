@@ -17,6 +17,7 @@ rounding and fragmentation, communication buffers of tensor/pipeline parallelism
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from trainledger.analytic._activations import (
 from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._params import ParamTensor, param_tensors
 from trainledger.analytic._setup import Setup, setup_to_dict
+from trainledger.devices import cublas_workspace_bytes
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.units import DTYPE_BYTES
 
@@ -185,6 +187,9 @@ class _Builder:
         # the batch: token ids (the labels are the same tensor); DPO: chosen and rejected
         N = self.rows * setup.seq_len
         self.add("batch.input_ids", Category.INPUTS, "batch", "int64", N)
+        if setup.device == "cuda":  # kept for the life of the process once the first matmul ran
+            workspace = cublas_workspace_bytes(setup.card, os.environ.get("CUBLAS_WORKSPACE_CONFIG") or None)
+            self.add("cuda.cublas_workspace", Category.WORKSPACE, "cublas_workspace", "uint8", workspace)
         self._clock(trainable)
         return Ledger(tuple(self.entries), tuple(self.events), evidence=Evidence.ANALYTIC, device=setup.device)
 

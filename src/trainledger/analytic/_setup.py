@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from trainledger.checks import MAX_MICRO_BATCH, MAX_SEQ_LEN, one_of, whole_number
 from trainledger.declared import OPTIMIZER_ARRAYS
+from trainledger.devices import DEFAULT_CUDA_DEVICE, Device, lookup
 from trainledger.errors import InputError
 
 Recipe = Literal["bf16-master", "bf16", "fp32"]
@@ -41,6 +42,9 @@ class Setup:
     """Kernels differ in what they save: on CUDA dropout keeps a 1-byte mask, LayerNorm fp32 statistics and
     AdamW runs ``foreach`` (one temporary the size of the state); on CPU the mask and statistics are in
     the activation dtype, AdamW runs per tensor, and SDPA with dropout falls back to the math kernel."""
+    gpu: str | None = None
+    """With ``device="cuda"``: the card from the device table (``trainledger.devices``) whose compute capability
+    decides the SDPA backend and the cuBLAS workspace; ``None``: an H100 (sm90)."""
     remat: Remat = "none"
     """Activation recomputation: ``selective`` recomputes the attention core (Korthikanti et al. 2022,
     §4.2), ``full`` keeps only each checkpointed layer's input."""
@@ -80,6 +84,10 @@ class Setup:
             raise InputError(f"the bf16-master recipe is modelled with adamw or adam, not {self.optimizer!r}")
         one_of(self.attn_impl, "attention implementation", ("eager", "sdpa"))
         one_of(self.device, "device kind", ("cuda", "cpu"))
+        if self.gpu is not None:
+            if self.device != "cuda":
+                raise InputError(f"a GPU ({self.gpu!r}) applies to the cuda device kind, not {self.device!r}")
+            lookup(self.gpu)
         one_of(self.remat, "rematerialization policy", REMATS)
         whole_number(self.lora_rank, "LoRA rank (0: off)", minimum=0)
         if not isinstance(self.lora_targets, tuple) or not all(isinstance(t, str) for t in self.lora_targets):
@@ -107,6 +115,11 @@ class Setup:
     @property
     def master_dtype(self) -> str | None:
         return RECIPES[self.recipe][1]
+
+    @property
+    def card(self) -> Device:
+        """The card a cuda step runs on (``gpu``, or the H100 the cuda kind assumes by default)."""
+        return lookup(self.gpu or DEFAULT_CUDA_DEVICE)
 
     @property
     def moment_dtype(self) -> str:

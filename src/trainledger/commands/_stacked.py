@@ -38,9 +38,18 @@ def _at_depth(raw: dict[str, Any], key: str, num_layers: int, depth: int) -> dic
     return out
 
 
-def trace_hf_stacked(path: str | Path, build_at: BuildAt, *, progress: Any = None) -> tuple[Ledger, int]:
+def trace_hf_stacked(
+    path: str | Path,
+    build_at: BuildAt,
+    *,
+    progress: Any = None,
+    kernel_kind: str = "cpu",
+    cuda_device: Any = None,
+    world_size: int = 1,
+) -> tuple[Ledger, int]:
     """Trace the config's step on fake tensors, a few blocks deep, extended to its layer count (see
-    :func:`trainledger.trace.trace_stacked`); a config whose layers differ is traced whole.
+    :func:`trainledger.trace.trace_stacked`); a config whose layers differ is traced whole. ``kernel_kind``
+    and ``cuda_device`` as for :func:`trainledger.trace.trace`.
 
     Returns the ledger and the number of parameters, trainable and frozen, counted from its weights since
     no full-depth model is built."""
@@ -55,7 +64,16 @@ def trace_hf_stacked(path: str | Path, build_at: BuildAt, *, progress: Any = Non
         # the same source, so that the workload is named after the config as a full-depth build is
         return build_at(replace(load_hf_config(_at_depth(cfg.raw, key, num_layers, depth)), source=cfg.source))
 
-    ledger = trace_stacked(build, num_layers, fake=True, progress=progress, differs=uneven)
+    ledger = trace_stacked(
+        build,
+        num_layers,
+        fake=True,
+        progress=progress,
+        differs=uneven,
+        kernel_kind=kernel_kind,  # type: ignore[arg-type]
+        cuda_device=cuda_device,
+        world_size=world_size,
+    )
     return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
 
 

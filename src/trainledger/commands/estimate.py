@@ -139,6 +139,12 @@ def kernel_kind_of(args: argparse.Namespace) -> str:
     return kind or "cuda"
 
 
+def _gpu_of(args: argparse.Namespace) -> str | None:
+    """The card a cuda step runs on: ``--device``'s (``None``: the H100 the cuda kind assumes)."""
+    device = getattr(args, "device", None)
+    return device.name if device is not None and kernel_kind_of(args) == "cuda" else None
+
+
 def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
     """The :class:`Setup` the step flags describe (a flag a command does not have takes its default)."""
     targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
@@ -149,6 +155,7 @@ def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
         optimizer=args.optimizer,
         attn_impl=args.attn,
         device=kernel_kind_of(args),
+        gpu=_gpu_of(args),
         remat=getattr(args, "remat", "none"),
         remat_every=getattr(args, "remat_every", None) or 1,
         lora_rank=args.lora_rank,
@@ -213,7 +220,10 @@ def run(args: argparse.Namespace) -> int:
 def render(result: EstimateResult, console: Console, *, device: Device | None = None) -> None:
     led, s = result.ledger, result.setup
     pk = led.peak()
-    kinds = f"kernels: {s.device} (--device-kind: cuda by default, cpu to compare with a trace on this machine)"
+    if s.device == "cuda":
+        kinds = f"kernels: cuda as on {s.card.name} (--device-kind: cuda by default, cpu to compare with a trace here)"
+    else:
+        kinds = "kernels: cpu (--device-kind: cuda by default, cpu to compare with a trace on this machine)"
     first = [kinds] + ([device_line(device)] if device is not None else [])
     title = (
         f"{result.spec.family} from {result.source}: micro-batch {s.micro_batch} × {s.seq_len} tokens, {s.recipe}, "

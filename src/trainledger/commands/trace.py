@@ -19,6 +19,7 @@ from trainledger.commands.common import add_json_flag, input_paths, positive_int
 from trainledger.commands.estimate import STEP_DEFAULTS, check_lora_flags, setup_from
 from trainledger.devices import kernel_kind
 from trainledger.errors import InputError
+from trainledger.ledger import LedgerSummary
 from trainledger.report.exports import ExportPaths, check_export_paths, write_exports
 from trainledger.report.terminal import (
     UNITS_NOTE,
@@ -77,6 +78,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --hf-config and --fake: trace every layer, not 3 and 4 layers extended to the full depth",
     )
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
+    p.add_argument(
+        "--device-kind",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        metavar="KIND",
+        help="whose kernels: cpu (default, the ones that run here) or cuda (the step as PyTorch's CUDA kernels "
+        "would run it, on fake tensors; the card is --device's, default an H100)",
+    )
     add_device_flags(p)
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (.png or .svg)")
     p.add_argument("--export-memory-viz", metavar="FILE", help="write a PyTorch memory snapshot (.pickle)")
@@ -155,20 +164,34 @@ def run(args: argparse.Namespace) -> int:
 
     if args.measure and args.fake:
         raise InputError("--measure runs the real step, --fake a step on fake tensors: drop one of them")
+    cuda = args.device_kind == "cuda"
+    if args.measure and cuda:
+        raise InputError("--measure runs the step on this machine's kernels, --device-kind cuda on CUDA's: drop one")
+    kinds = {
+        "kernel_kind": args.device_kind,
+        "cuda_device": args.device if cuda else None,
+        "world_size": args.world if cuda else 1,
+    }
+    if cuda and (args.hf_config or args.timm or args.diffusers_config):
+        args.fake = True  # a CUDA-kind trace runs on fake tensors: build the model without values
     outputs = _check_outputs(args)
     strategy = parse_strategy(args.stage)
     if args.full_depth and not (args.hf_config and args.fake):
         raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
-    stacked = args.hf_config and args.fake and not (args.full_depth or args.model) and in_analytic_family(args)
+    stacked = (
+        args.hf_config and (args.fake or cuda) and not (args.full_depth or args.model) and in_analytic_family(args)
+    )
     workload = None if stacked else _trace_workload(args)
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:
         if workload is None:
             build_at = partial(_trace_workload, args)  # the same step, from the config at another depth
-            ledger, num_params = trace_hf_stacked(args.hf_config, lambda cfg: build_at(config=cfg), progress=progress)
+            ledger, num_params = trace_hf_stacked(
+                args.hf_config, lambda cfg: build_at(config=cfg), progress=progress, **kinds
+            )
         else:
             num_params = sum(p.numel() for p in workload.model.parameters())
-            ledger = trace(workload, fake=args.fake, progress=progress)
+            ledger = trace(workload, fake=args.fake, progress=progress, **kinds)
         measurement = None
         if args.measure and workload is not None:
             from trainledger.measure import measure
@@ -209,8 +232,7 @@ def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()
     lines = [
         f"model {led.meta.get('model') or '?'}{' (fake tensors)' if led.meta.get('fake') else ''}: "
         f"{led.num_events:,} events ({phases}), {report.num_entries:,} storages",
-        f"kernels: {kinds} (traced on {led.device}; a CUDA step's kernels save and allocate differently: "
-        "SDPA backend, fused optimizers, autocast's op lists, cuBLAS workspace)",
+        _kernels_line(led),
     ]
     device = target.device if target is not None else None
     if device is not None:
@@ -251,6 +273,24 @@ def render(report: TraceReport, console: Console, *, written: Sequence[str] = ()
         sh = report.sharded
         head = Text(f"sharded as {sh.label} over {sh.world_size} ranks, predicted from this trace:")
         print_renderables(head, ranks_text(sh), collectives_table(sh, None), console=console)
+
+
+def _kernels_line(led: LedgerSummary) -> str:
+    """Whose kernels the figures assume; for CUDA, the card, the SDPA backends and what lies outside the allocator."""
+    if led.meta.get("kernel_kind") != "cuda":
+        return (
+            f"kernels: {kernel_kind(led.device)} (traced on {led.device}; a CUDA step's kernels save and allocate "
+            "differently: SDPA backend, fused optimizers, autocast's op lists, cuBLAS workspace; --device-kind cuda)"
+        )
+    backends = ", ".join(f"{k} ×{n}" for k, n in sorted(led.meta.get("sdpa_backends", {}).items())) or "none"
+    outside = "; ".join(
+        f"{o['name']} {o['bytes']:,} bytes ({both_units(o['bytes'])}, {o['evidence']})"
+        for o in led.meta.get("outside_allocator", ())
+    )
+    return (
+        f"kernels: cuda as on {led.meta.get('cuda_device')}, substituted on fake CPU tensors (SDPA backends: "
+        f"{backends}); unvalidated on a GPU\noutside the allocator, not in the peak: {outside}"
+    )
 
 
 def _check_outputs(args: argparse.Namespace) -> ExportPaths:

@@ -10,15 +10,27 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import torch
 
+from trainledger.devices import Device, KernelKind, SdpaCall, sdpa_backend
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
+from trainledger.trace._cuda import (
+    DISPATCH_SUBSTITUTES,
+    CudaFacts,
+    CudaKernels,
+    cuda_device,
+    cuda_ledger,
+    use_foreach,
+)
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._fsdp import fsdp_storages
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
@@ -35,19 +47,23 @@ __all__ = [
     "KERNEL_INTERNAL",
     "PROBED_OPS",
     "RESTORED_NOTE",
+    "CudaKernels",
     "ForwardRecord",
     "KernelCall",
     "MeasuredStep",
     "ModuleScopes",
+    "SdpaCall",
     "StepTracer",
     "StorageRecord",
     "TraceReport",
     "TrainingState",
     "active_tracer",
+    "cuda_device_of",
     "fsdp_storages",
     "kernel_internal_bytes",
     "mark_optimizer_outputs",
     "record_forward",
+    "sdpa_backend",
     "trace",
     "trace_stacked",
     "traced_ledger",
@@ -98,6 +114,9 @@ def trace(
     kernel_workspace: bool = True,
     progress: ProgressFn | None = None,
     device: str = "cpu",
+    kernel_kind: KernelKind = "cpu",
+    cuda_device: str | Device | None = None,
+    world_size: int = 1,
 ) -> Ledger:
     """Trace one steady-state training step of ``workload`` (evidence ``traced``).
 
@@ -121,6 +140,14 @@ def trace(
         progress: called as ``progress(phase, num_events)`` every thousand events.
         device: with ``fake``, the device that tensors on ``meta`` are traced as (a model built with
             ``torch.device("meta")`` or accelerate's ``init_empty_weights()``); a real trace refuses them.
+        kernel_kind: ``cpu`` (the kernels that run here) or ``cuda``: the step as PyTorch's CUDA kernels
+            would run it (the SDPA backend CUDA picks and what it saves, fused dropout, fp32 normalization
+            statistics, the foreach optimizer, the cuBLAS workspace; see ``trace/_cuda.py``). There are no
+            CUDA kernels here, so a CUDA-kind trace always runs on fake tensors (a note says so when the model
+            is real); kernel-internal buffers are not probed (the CPU's are not CUDA's).
+        cuda_device: with ``cuda``, the card from the device table (its compute capability decides the SDPA
+            backend and the cuBLAS workspace); default an H100 (sm90).
+        world_size: with ``cuda``, data-parallel ranks: above 1, NCCL's buffers are stated beside the ledger.
 
     Returns:
         The traced ledger; ``meta`` holds the model name, events per phase and the traced step's time.
@@ -130,8 +157,35 @@ def trace(
         raise InputError(f"trace(fake=...) is {fake!r}; give True or False")
     if progress is not None and not callable(progress):
         raise InputError(f"trace(progress=...) is {progress!r}; give None or a function progress(phase, num_events)")
-    ledger, kernels = _trace_step(workload, fake=fake, progress=progress, device=_meta_device(workload, fake, device))
+    gpu = cuda_device_of(kernel_kind, cuda_device)
+    was_fake = fake
+    fake = fake or gpu is not None
+    ledger, kernels = _trace_step(
+        workload, fake=fake, progress=progress, device=_meta_device(workload, fake, device), cuda=gpu
+    )
+    if gpu is not None:
+        ledger = _as_cuda(ledger, world_size)
+        if not was_fake:
+            ledger = ledger.with_entries(ledger.entries, notes=(*ledger.notes, FAKE_FOR_CUDA_NOTE))
+        return ledger
     return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+
+
+def cuda_device_of(kernel_kind: str, name: str | Device | None) -> Device | None:
+    """The card a ``kernel_kind`` of ``cuda`` assumes (``None`` for ``cpu``); see :func:`trace`."""
+    if kernel_kind not in ("cpu", "cuda"):
+        raise InputError(f"kernel kind {kernel_kind!r} is not one of cpu, cuda")
+    if kernel_kind == "cpu":
+        if name is not None:
+            raise InputError("a CUDA device applies to kernel_kind='cuda': give it, or drop the device")
+        return None
+    return cuda_device(name)
+
+
+FAKE_FOR_CUDA_NOTE = (
+    "traced on fake tensors: a CUDA-kind trace cannot run the model's real values through CUDA kernels on this "
+    "machine, so the same step ran on fake tensors of the same shapes (weights and optimizer untouched)"
+)
 
 
 def _meta_device(workload: Workload, fake: bool, device: str) -> str:
@@ -146,18 +200,23 @@ def _meta_device(workload: Workload, fake: bool, device: str) -> str:
 
 
 def _trace_step(
-    workload: Workload, *, fake: bool, progress: ProgressFn | None, device: str = "cpu"
+    workload: Workload, *, fake: bool, progress: ProgressFn | None, device: str = "cpu", cuda: Device | None = None
 ) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
-    """The traced ledger without kernel-internal buffers, and the kernel calls that may hold some."""
+    """The traced ledger without kernel-internal buffers, and the kernel calls that may hold some; with
+    ``cuda``, the CUDA kernels substituted and their facts in ``meta["cuda_facts"]``."""
     if fake:
         with fake_workload(workload, device) as (twin, mode), mode:
             try:
-                ledger, kernels = _trace(twin, progress, fake=True)
+                ledger, kernels = _trace(twin, progress, fake=True, cuda=cuda)
             except InputError as exc:
                 if "DynamicOutputShape" in str(exc) or "DataDependentOutput" in str(exc):
+                    fix = (
+                        "a CUDA-kind trace runs on fake tensors only: trace it with --device-kind cpu"
+                        if cuda is not None
+                        else "trace it without --fake"
+                    )
                     raise InputError(
-                        f"the step has data-dependent shapes, which fake tensors cannot run ({exc}); "
-                        "trace it without --fake"
+                        f"the step has data-dependent shapes, which fake tensors cannot run ({exc}); {fix}"
                     ) from exc
                 raise
         return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True}), kernels
@@ -179,6 +238,9 @@ def trace_stacked(
     depths: Sequence[int] = (3, 4),
     differs: str | None = None,
     progress: ProgressFn | None = None,
+    kernel_kind: KernelKind = "cpu",
+    cuda_device: str | Device | None = None,
+    world_size: int = 1,
 ) -> Ledger:
     """Trace a model of ``num_blocks`` identical blocks by tracing a few of them and extending the ledger.
 
@@ -194,7 +256,8 @@ def trace_stacked(
         build: ``build(d)`` returns the workload with ``d`` blocks: a Hugging Face config with
             ``num_hidden_layers=d``, any model whose depth is a constructor argument.
         num_blocks: the depth to report.
-        fake, kernel_workspace, progress: as for :func:`trace`.
+        fake, kernel_workspace, progress, kernel_kind, cuda_device, world_size: as for :func:`trace` (``cuda`` traces
+            on fake tensors).
         depths: the depths traced, each at least 3; the first is extended, the others check it.
         differs: why the blocks are known to differ (per-layer settings): then every block is traced, and
             the note gives this reason.
@@ -210,42 +273,91 @@ def trace_stacked(
         raise InputError(f"number of blocks {num_blocks!r} must be a whole number of at least 1")
     if len(depths) < 2 or sorted(set(depths)) != depths or depths[0] < 3:
         raise InputError(f"depths {depths} must be two or more increasing depths of at least 3 blocks")
+    gpu = cuda_device_of(kernel_kind, cuda_device)
+    whole = partial(
+        _whole_stack,
+        build,
+        num_blocks,
+        fake=fake,
+        kernel_workspace=kernel_workspace,
+        progress=progress,
+        cuda=gpu,
+        world_size=world_size,
+    )
     if differs is not None:
-        return _whole_stack(build, num_blocks, differs, fake, kernel_workspace, progress)
+        return whole(differs)
     if num_blocks <= depths[-1]:
-        return _whole_stack(
-            build, num_blocks, f"{num_blocks} blocks are no deeper than the traces", fake, kernel_workspace, progress
-        )
-    traced = {d: _trace_step(build(d), fake=fake, progress=progress) for d in depths}
-    base = traced[depths[0]]
+        return whole(f"{num_blocks} blocks are no deeper than the traces")
+    fake = fake or gpu is not None
+    traced = {d: _trace_step(build(d), fake=fake, progress=progress, cuda=gpu) for d in depths}
+    facts = {d: led.meta.pop("cuda_facts", None) for d, (led, _) in traced.items()}  # counts grow with depth
     try:
-        stack = find_stack({d: led.calls for d, (led, _) in traced.items()})
-        for d in depths[1:]:
-            why = first_difference(extend(*base, stack, base_depth=depths[0], depth=d), traced[d])
-            if why is not None:
-                raise NotRepeating(f"extended to {d} blocks, the ledger differs from the trace: {why}")
-        ledger, kernels = extend(*base, stack, base_depth=depths[0], depth=num_blocks)
+        ledger, kernels = _extended(traced, depths, num_blocks)
     except NotRepeating as exc:
-        return _whole_stack(build, num_blocks, str(exc), fake, kernel_workspace, progress)
+        return whole(str(exc))
+    if gpu is not None:
+        meta = {**ledger.meta, "cuda_facts": _extend_facts(facts[depths[0]], facts[depths[1]], depths, num_blocks)}
+        return _as_cuda(ledger.with_entries(ledger.entries, meta=meta), world_size)
+    return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+
+
+def _extend_facts(base: CudaFacts, next_: CudaFacts, depths: list[int], num_blocks: int) -> CudaFacts:
+    """The CUDA facts' counts (SDPA calls, dropouts, autocast casts) at ``num_blocks``: each block adds what one
+    block added between the first two depths traced."""
+    per = num_blocks - depths[0]
+    blocks = depths[1] - depths[0]
+
+    def grow(a: int, b: int) -> int:
+        return a + per * (b - a) // blocks
+
+    backends = {k: grow(base.backends.get(k, 0), next_.backends.get(k, 0)) for k in {*base.backends, *next_.backends}}
+    amp = None if base.autocast_calls is None else grow(base.autocast_calls, next_.autocast_calls or 0)
+    return dataclasses.replace(
+        base, backends=backends, dropouts=grow(base.dropouts, next_.dropouts), autocast_calls=amp
+    )
+
+
+def _extended(
+    traced: dict[int, tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]], depths: list[int], num_blocks: int
+) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
+    """The first depth's trace extended to ``num_blocks``, checked against the other depths' traces (raises
+    :class:`NotRepeating` where the blocks do not repeat exactly), with the note that says so."""
+    base = traced[depths[0]]
+    stack = find_stack({d: led.calls for d, (led, _) in traced.items()})
+    for d in depths[1:]:
+        why = first_difference(extend(*base, stack, base_depth=depths[0], depth=d), traced[d])
+        if why is not None:
+            raise NotRepeating(f"extended to {d} blocks, the ledger differs from the trace: {why}")
+    ledger, kernels = extend(*base, stack, base_depth=depths[0], depth=num_blocks)
     note = (
         f"traced {depths[0]} of {num_blocks} blocks, extended: the block stack ({stack.prefix}) repeated to full "
         f"depth, exact against traces of {', '.join(map(str, depths[1:]))} blocks"
     )
     meta = {**ledger.meta, "blocks": {"total": num_blocks, "traced": depths, "extended": True}}
     meta.pop("traced_step_seconds", None)  # no step of this depth ran
-    ledger = ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
-    return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+    return ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta), kernels
 
 
 def _whole_stack(
     build: Callable[[int], Workload],
     num_blocks: int,
     why: str,
+    *,
     fake: bool,
     kernel_workspace: bool,
     progress: ProgressFn | None,
+    cuda: Device | None,
+    world_size: int,
 ) -> Ledger:
-    ledger = trace(build(num_blocks), fake=fake, kernel_workspace=kernel_workspace, progress=progress)
+    ledger = trace(
+        build(num_blocks),
+        fake=fake,
+        kernel_workspace=kernel_workspace,
+        progress=progress,
+        kernel_kind="cuda" if cuda is not None else "cpu",
+        cuda_device=cuda,
+        world_size=world_size,
+    )
     note = f"traced all {num_blocks} blocks (not extended: {why})"
     meta = {**ledger.meta, "blocks": {"total": num_blocks, "traced": [num_blocks], "extended": False}}
     return ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
@@ -260,16 +372,18 @@ def with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, Ker
 
 
 def _trace(
-    workload: Workload, progress: ProgressFn | None, *, fake: bool = False
+    workload: Workload, progress: ProgressFn | None, *, fake: bool = False, cuda: Device | None = None
 ) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
     model, reference = workload.model, workload.reference
     optimizer = workload.get_optimizer()
-    with _user_errors("the warm-up step"):
-        run_step(workload)
+    kernels = CudaKernels(cuda, autocast=workload.autocast_dtype is not None) if cuda is not None else None
+    foreach_groups = use_foreach(optimizer) if cuda is not None else 0  # the fake twin's optimizer
+    with _user_errors("the warm-up step"), kernels or contextlib.nullcontext():
+        run_step(workload, on_phase=kernels.on_phase if kernels is not None else None)
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots)
-    tracer = StepTracer(scopes, fake=fake, progress=progress)
+    tracer = StepTracer(scopes, fake=fake, progress=progress, substitutes=DISPATCH_SUBSTITUTES if cuda else None)
     for t, owner in iter_state(model, optimizer, reference=reference):
         tracer.known(t, owner.name, owner.category, owner.role)
     for i, t in enumerate(iter_tensors(workload.batch)):
@@ -284,11 +398,15 @@ def _trace(
             mark_optimizer_outputs(tracer, model, optimizer)
         if phase != "end":
             tracer.phase = phase
+        if kernels is not None:
+            kernels.on_phase(phase)
 
     scopes.open()
     try:
+        if kernels is not None:  # count the traced step's calls only
+            kernels.reset()
         with quiet_gc(generation=1), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
-            with _user_errors("the traced step"):
+            with _user_errors("the traced step"), kernels or contextlib.nullcontext():
                 start = time.perf_counter()
                 run_step(workload, on_phase=on_phase, on_loss=lambda loss: label_graph(loss, LOSS_SCOPE))
                 seconds = time.perf_counter() - start
@@ -298,7 +416,12 @@ def _trace(
     if not tracer.num_events:
         raise InputError("the step dispatched no tensor operations; nothing to trace")
 
-    resized = tracer.size_outputs_as_the_real_kernels() if fake else 0
+    # CUDA's kernels return the sizes their meta kernels declare; the CPU's are measured
+    resized = tracer.size_outputs_as_the_real_kernels() if fake and kernels is None else 0
+    facts = None
+    if kernels is not None:
+        amp = kernels.autocast.num_calls if kernels.autocast is not None else None
+        facts = CudaFacts(cuda, dict(kernels.backends), kernels.dropouts, foreach_groups, _cublas_config(), amp)
     ledger = traced_ledger(
         tracer,
         name=workload.name,
@@ -306,8 +429,20 @@ def _trace(
         optimizers=[optimizer],
         parameter_order=[name for name, _ in model.named_parameters()],
         notes=(_resized_note(resized),) if resized else (),
+        meta={"cuda_facts": facts} if facts is not None else None,
     )
-    return ledger, tracer.kernel_calls
+    return ledger, tracer.kernel_calls if kernels is None else []
+
+
+def _cublas_config() -> str | None:
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") or None
+
+
+def _as_cuda(ledger: Ledger, world_size: int) -> Ledger:
+    """A traced ledger whose ``meta`` holds the CUDA facts, as the CUDA step's ledger (``cuda_ledger``)."""
+    facts = ledger.meta["cuda_facts"]
+    ledger = ledger.with_entries(ledger.entries, meta={k: v for k, v in ledger.meta.items() if k != "cuda_facts"})
+    return cuda_ledger(ledger, facts, world_size=world_size)
 
 
 def traced_ledger(

@@ -317,11 +317,12 @@ def _entries(base: Ledger, layout: _Layout) -> list[Entry]:
     return out
 
 
-def _tracer_order(e: Entry) -> tuple[int, str]:
-    """The tracer's order: by allocation event (before the step first), then name. A temporary made outside
+def _tracer_order(e: Entry) -> tuple[int, str, str]:
+    """The tracer's order: by allocation event (before the step first), then name, then owner (a foreach op's
+    outputs, one per parameter). A temporary made outside
     dispatch (role ``untracked_temporary``) is ordered as what it was first taken for: state from before."""
     before = e.alloc_event is None or e.role == "untracked_temporary"
-    return (-1 if before else e.alloc_event, e.name)  # type: ignore[return-value]
+    return (-1 if before else e.alloc_event, e.name, e.owner)  # type: ignore[return-value]
 
 
 def _calls(base: Ledger, layout: _Layout) -> list[ModuleCall]:

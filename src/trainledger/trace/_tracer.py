@@ -82,8 +82,18 @@ class StepTracer(TorchDispatchMode):
         # and two eval-frame switches per op; the tracer is never compiled, so the wrapper is pure cost.
         return False
 
-    def __init__(self, scopes: ModuleScopes, *, fake: bool = False, progress: ProgressFn | None = None) -> None:
+    def __init__(
+        self,
+        scopes: ModuleScopes,
+        *,
+        fake: bool = False,
+        progress: ProgressFn | None = None,
+        substitutes: dict[Any, Callable[[Any], Any]] | None = None,
+    ) -> None:
         super().__init__()
+        self.substitutes = substitutes or {}
+        """Per op overload, a function of its outputs returning what another device's kernel returns instead
+        (a CUDA-kind trace's normalization statistics)."""
         global _NO_STORAGE
         _NO_STORAGE = _dtensor_types()
         self.fake = fake
@@ -248,6 +258,10 @@ class StepTracer(TorchDispatchMode):
                 if rec is not None:
                     self.writes.append((index, rec))
         out = func(*args, **kwargs)
+        if self.substitutes:
+            substitute = self.substitutes.get(func)
+            if substitute is not None:
+                out = substitute(out)
         if info.allocates or _NO_STORAGE:
             self._outputs(op, index, module, args, out)
         if self.fake and info.real_storage:
@@ -409,8 +423,9 @@ def _parameter_of(r: _Storage) -> str:
     return r.owner if r.phase == "optimizer" and r.category is None else ""
 
 
-def _order(r: _Storage) -> tuple[int, str]:
-    return (-1 if r.alloc_event is None else r.alloc_event, r.name)
+def _order(r: _Storage) -> tuple[int, str, str]:
+    # the owner orders a foreach op's outputs (one event, one name, one per parameter) as the extension does
+    return (-1 if r.alloc_event is None else r.alloc_event, r.name, r.owner)
 
 
 def _entry(r: _Storage, evidence: Evidence) -> Entry:
