@@ -20,7 +20,7 @@ from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._fake import fake_workload
-from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
+from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, KernelCounts, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
@@ -59,8 +59,9 @@ LIMITATIONS = (
 )
 
 
-def _kernel_note(num_measured: int, num_skipped: int) -> str:
-    if num_measured:
+def _kernel_note(num_entries: int, counts: KernelCounts) -> str:
+    num_measured = num_entries - counts.num_estimated
+    if num_entries:
         inside = (
             f", plus {num_measured} buffers that CPU kernels allocate and free inside one op (workspace, role "
             "kernel_internal, evidence measured: each kernel run alone on this machine)"
@@ -70,10 +71,15 @@ def _kernel_note(num_measured: int, num_skipped: int) -> str:
             " (none of this step's kernels is one known to allocate inside an op: convolution, BatchNorm, "
             "LayerNorm's backward, the LSTM)"
         )
+    if counts.num_estimated:
+        inside += (
+            f", and {counts.num_estimated} of convolutions too slow to run whole here (evidence estimated: a "
+            "small instance of the call measured, and scaled by the sizes its buffers were measured to grow with)"
+        )
     skipped = (
-        f"; {num_skipped} kernel calls that could not be run here (too large, or inputs fake tensors cannot "
-        "size) are not included"
-        if num_skipped
+        f"; {counts.num_skipped} kernel calls that could not be run here (too large or too slow and not "
+        "scalable, or inputs fake tensors cannot size) are not included"
+        if counts.num_skipped
         else ""
     )
     return (
@@ -252,8 +258,8 @@ def _whole_stack(
 def with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
     """``ledger`` with the buffers the kernels of ``kernels`` (a tracer's ``kernel_calls``) allocate inside one
     op, each measured by running the call once more alone (evidence ``measured``)."""
-    entries, skipped = kernel_entries(kernels)
-    notes = tuple(_kernel_note(len(entries), skipped) if n == LIMITATIONS else n for n in ledger.notes)
+    entries, counts = kernel_entries(kernels)
+    notes = tuple(_kernel_note(len(entries), counts) if n == LIMITATIONS else n for n in ledger.notes)
     return ledger.with_entries((*ledger.entries, *entries), notes=notes)
 
 
