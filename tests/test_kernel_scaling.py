@@ -77,9 +77,11 @@ def test_a_call_over_the_caps_is_scaled_or_left_out_without_running_it():
     assert found[norm].evidence is None and found[norm].nbytes is None and "too large" in found[norm].why
 
 
-def test_only_plain_2d_convolutions_are_scaled():
+def test_only_plain_2d_convolutions_are_scaled_and_others_too_slow_are_left_out():
     x, w = torch.zeros(2, 8, 6, 6), torch.zeros(8, 1, 3, 3)
     grouped = KernelCall.of(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8), {})
     assert conv_of(grouped) is None and scaling_of(grouped) is None
+    assert probe_calls([grouped], max_seconds=0.0)[grouped].why == "too slow to run here"
+    assert probe_calls([grouped], max_seconds=math.inf)[grouped].evidence == Evidence.MEASURED
     plain = _conv(2, 8, 8, 6, 6, 3, 1, torch.float32, backward=False)
     assert conv_of(plain).sizes.n == 2 and scaling_of(plain) is not None

@@ -240,11 +240,22 @@ def scaling_of(call: KernelCall) -> Scaling | None:
 
 def seconds_to_run(call: KernelCall) -> float:
     """Predicted seconds to run ``call`` twice, from this process's speed on a reference convolution of its
-    dtype; 0 for ops other than convolutions (their kernels work in proportion to their bytes)."""
+    dtype; 0 for ops other than convolutions (their kernels work in proportion to their bytes). A convolution
+    that cannot be scaled and is predicted too slow is left out rather than run."""
     conv = conv_of(call)
-    if conv is None:
+    if conv is not None:
+        return 2 * conv.flops() / _flops_per_second(conv.call.args[1].dtype)
+    op = str(call.op)
+    if not op.startswith(_CONV):
         return 0.0
-    return 2 * conv.flops() / _flops_per_second(conv.call.args[1].dtype)
+    # Grouped, transposed, 1-D or 3-D: at most every input pixel times every weight (stride 1 bounds it).
+    backward = op.startswith(_CONV_BACKWARD)
+    x, weight = (call.args[1], call.args[2]) if backward else (call.args[0], call.args[1])
+    if not (hasattr(x, "shape") and hasattr(weight, "shape")) or len(x.shape) < 3:
+        return 0.0
+    passes = max(1, sum(1 for m in call.args[-1][:2] if m)) if backward else 1
+    flops = 2 * x.shape[0] * math.prod(x.shape[2:]) * math.prod(weight.shape) * passes
+    return 2 * flops / _flops_per_second(weight.dtype)
 
 
 _RATES: dict[torch.dtype, float] = {}
