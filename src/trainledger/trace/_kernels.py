@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from trainledger.ledger import Category, Entry, Evidence
-from trainledger.trace._scaled import MAX_PROBE_SECONDS, bytes_free_for_probes, scaling_of, seconds_to_run
+from trainledger.trace import _scaled
+from trainledger.trace._scaled import bytes_free_for_probes, scaling_of, seconds_to_run
 from trainledger.workload import profiler_stderr_filtered, quiet_gc
 
 KERNEL_INTERNAL = "kernel_internal"
@@ -195,15 +196,16 @@ def internal_bytes(calls: list[KernelCall]) -> dict[KernelCall, int]:
 
 
 def probe_calls(
-    calls: list[KernelCall], *, max_seconds: float = MAX_PROBE_SECONDS, max_bytes: int | None = None
+    calls: list[KernelCall], *, max_seconds: float | None = None, max_bytes: int | None = None
 ) -> dict[KernelCall, Probe]:
     """Per distinct call, its kernel's buffers: measured by running it whole where that is predicted to take
-    at most ``max_seconds`` and its tensors fit in ``max_bytes`` (default: the smaller of
-    :data:`MAX_CALIBRATION_BYTES` and a quarter of the memory free now); otherwise estimated from small
-    instances of it where it is a convolution whose buffers grow as a product of its sizes
-    (:mod:`trainledger.trace._scaled`); otherwise left out, with the reason.
+    at most ``max_seconds`` (default ``_scaled.MAX_PROBE_SECONDS``) and its tensors fit in ``max_bytes``
+    (default: the smaller of :data:`MAX_CALIBRATION_BYTES` and a quarter of the memory free now); otherwise
+    estimated from small instances of it where it is a convolution whose buffers grow as a product of its
+    sizes (:mod:`trainledger.trace._scaled`); otherwise left out, with the reason.
     """
     limit = min(MAX_CALIBRATION_BYTES, bytes_free_for_probes()) if max_bytes is None else max_bytes
+    max_seconds = _scaled.MAX_PROBE_SECONDS if max_seconds is None else max_seconds
     whole, scaled, out = [], {}, {}
     for call in dict.fromkeys(calls):
         too_large = call.tensor_bytes > limit
