@@ -118,6 +118,7 @@ def test_meta_device_on_the_command_line(tmp_path, capsys):
     for argv, says in [
         (["--fake", "--meta-device", "nowhere"], "'nowhere' is no device PyTorch knows"),
         (["--meta-device", "cpu"], "add --fake"),
+        *([] if torch.backends.cuda.is_built() else [(["--fake", "--meta-device", "cuda"], "cannot trace as")]),
     ]:
         assert _status(["trace", "--model", model, *argv]) == 2
         err = capsys.readouterr().err

@@ -141,9 +141,15 @@ def trace(
 def _meta_device(workload: Workload, fake: bool, device: str) -> str:
     """``device`` checked; a real trace of a model with weights on ``meta`` is refused (they hold no values)."""
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except (RuntimeError, TypeError):
         raise InputError(f"trace(device=...) is {device!r}; give a device such as 'cpu' or 'cuda'") from None
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.backends.cuda.is_built()):
+        # fake tensors of a device this build has no guard for abort the process (a C++ error, no exception)
+        raise InputError(
+            f"trace(device=...) is {device!r}, which this PyTorch build cannot trace as; give 'cpu'"
+            + ("" if kind == "cuda" else " or 'cuda'")
+        )
     if not fake and any(t.is_meta for t in workload.model.parameters()):
         raise InputError("the model's parameters are on the meta device, which holds no values: trace it with --fake")
     return device
