@@ -105,3 +105,31 @@ def test_trace_fake_of_a_meta_factory_on_the_command_line(tmp_path, capsys):
     assert out["peak"]["bytes"] == trace(build()).peak().bytes
     assert main(["trace", "--model", f"{src}:factory"]) == 2
     assert "meta device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_meta_device_on_the_command_line(tmp_path, capsys):
+    src = tmp_path / "meta_model.py"
+    src.write_text("from tests.test_meta_models import build\n\ndef factory():\n    return build('meta')\n")
+    model = f"{src}:factory"
+    assert main(["trace", "--model", model, "--fake", "--meta-device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["peak"]["bytes"] == trace(build("meta"), fake=True).peak().bytes
+    for argv, says in [
+        (["--fake", "--meta-device", "nowhere"], "'nowhere' is no device PyTorch knows"),
+        (["--meta-device", "cpu"], "add --fake"),
+        *([] if torch.backends.cuda.is_built() else [(["--fake", "--meta-device", "cuda"], "cannot trace as")]),
+    ]:
+        assert _status(["trace", "--model", model, *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    assert _status(["trace", "--hf-config", "tests/fixtures/hf/t5-base.json", "--fake", "--meta-device", "cpu"]) == 2
+    assert "applies to a model built on the meta device" in capsys.readouterr().err
+
+
+def _status(argv: list[str]) -> int:
+    """The exit status of the command (argparse's errors exit instead of returning)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code

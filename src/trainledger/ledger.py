@@ -60,6 +60,7 @@ class Evidence(str, enum.Enum):
     TRACED = "traced"  # a lifetime trace of a real step, on real or fake tensors
     MEASURED = "measured"  # allocator or heap counters from running the step
     ANALYTIC = "analytic"  # a closed-form model
+    ESTIMATED = "estimated"  # a measurement scaled from smaller instances of the same thing
 
     def __str__(self) -> str:
         return self.value
@@ -68,15 +69,17 @@ class Evidence(str, enum.Enum):
 # The weakest evidence wins when entries of several kinds are combined into one figure.
 _EVIDENCE_STRENGTH = {
     Evidence.ANALYTIC: 0,
-    Evidence.DECLARED: 1,
-    Evidence.INVENTORIED: 2,
-    Evidence.TRACED: 3,
-    Evidence.MEASURED: 4,
+    Evidence.ESTIMATED: 1,
+    Evidence.DECLARED: 2,
+    Evidence.INVENTORIED: 3,
+    Evidence.TRACED: 4,
+    Evidence.MEASURED: 5,
 }
 
 
 def weakest_evidence(evidences: Iterable[Evidence | str]) -> Evidence:
-    """The weakest of several evidence labels (declared < inventoried < traced < measured)."""
+    """The weakest of several evidence labels (analytic < estimated < declared < inventoried < traced <
+    measured)."""
     kinds = [Evidence(e) for e in evidences]
     if not kinds:
         raise ValueError("no evidence given")

@@ -93,6 +93,17 @@ def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_arg
 
 
+def parse_torch_device(text: str) -> str:
+    """A device PyTorch names (``cpu``, ``cuda``, ``cuda:1``), as typed."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, TypeError):
+        raise InputError(f"{text!r} is no device PyTorch knows; give e.g. cpu or cuda") from None
+    return text
+
+
 count_arg = argparse_type(parse_count)
 """A positive count (``1e9``, ``7B``), parsed exactly."""
 size_arg = argparse_type(parse_size)

@@ -15,7 +15,14 @@ from trainledger.analytic import FAMILIES, load_config_file
 from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
 from trainledger.commands._hfstep import add_step_source_flags, workload_for
 from trainledger.commands._stacked import trace_hf_stacked
-from trainledger.commands.common import add_json_flag, input_paths, positive_int, print_json
+from trainledger.commands.common import (
+    add_json_flag,
+    argparse_type,
+    input_paths,
+    parse_torch_device,
+    positive_int,
+    print_json,
+)
 from trainledger.commands.estimate import STEP_DEFAULTS, check_lora_flags, setup_from
 from trainledger.devices import kernel_kind
 from trainledger.errors import InputError
@@ -76,6 +83,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--full-depth",
         action="store_true",
         help="with --hf-config and --fake: trace every layer, not 3 and 4 layers extended to the full depth",
+    )
+    p.add_argument(
+        "--meta-device",
+        type=argparse_type(parse_torch_device),
+        metavar="DEVICE",
+        help="with --fake: the device a model built on the meta device is traced as (cpu, cuda; default cpu)",
     )
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
     p.add_argument(
@@ -176,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
         args.fake = True  # a CUDA-kind trace runs on fake tensors: build the model without values
     outputs = _check_outputs(args)
     strategy = parse_strategy(args.stage)
+    if args.meta_device is not None and not args.fake:
+        raise InputError(f"--meta-device {args.meta_device} names the device of a fake trace: add --fake")
+    if args.meta_device is not None and not args.model:
+        raise InputError(
+            f"--meta-device {args.meta_device} applies to a model built on the meta device (--model "
+            "file.py:factory); models from configs and names are built on fake tensors already: drop it"
+        )
     if args.full_depth and not (args.hf_config and args.fake):
         raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
     stacked = (
@@ -191,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             num_params = sum(p.numel() for p in workload.model.parameters())
-            ledger = trace(workload, fake=args.fake, progress=progress, **kinds)
+            device = args.meta_device or "cpu"
+            ledger = trace(workload, fake=args.fake, progress=progress, device=device, **kinds)
         measurement = None
         if args.measure and workload is not None:
             from trainledger.measure import measure

@@ -33,7 +33,7 @@ from trainledger.trace._cuda import (
 )
 from trainledger.trace._fake import fake_workload
 from trainledger.trace._fsdp import fsdp_storages
-from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, kernel_entries
+from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, KernelCounts, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
@@ -77,8 +77,9 @@ LIMITATIONS = (
 )
 
 
-def _kernel_note(num_measured: int, num_skipped: int) -> str:
-    if num_measured:
+def _kernel_note(num_entries: int, counts: KernelCounts) -> str:
+    num_measured = num_entries - counts.num_estimated
+    if num_entries:
         inside = (
             f", plus {num_measured} buffers that CPU kernels allocate and free inside one op (workspace, role "
             "kernel_internal, evidence measured: each kernel run alone on this machine)"
@@ -88,10 +89,15 @@ def _kernel_note(num_measured: int, num_skipped: int) -> str:
             " (none of this step's kernels is one known to allocate inside an op: convolution, BatchNorm, "
             "LayerNorm's backward, the LSTM)"
         )
+    if counts.num_estimated:
+        inside += (
+            f", and {counts.num_estimated} of convolutions too slow to run whole here (evidence estimated: a "
+            "small instance of the call measured, and scaled by the sizes its buffers were measured to grow with)"
+        )
     skipped = (
-        f"; {num_skipped} kernel calls that could not be run here (too large, or inputs fake tensors cannot "
-        "size) are not included"
-        if num_skipped
+        f"; {counts.num_skipped} kernel calls that could not be run here (too large or too slow and not "
+        "scalable, or inputs fake tensors cannot size) are not included"
+        if counts.num_skipped
         else ""
     )
     return (
@@ -191,9 +197,15 @@ FAKE_FOR_CUDA_NOTE = (
 def _meta_device(workload: Workload, fake: bool, device: str) -> str:
     """``device`` checked; a real trace of a model with weights on ``meta`` is refused (they hold no values)."""
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except (RuntimeError, TypeError):
         raise InputError(f"trace(device=...) is {device!r}; give a device such as 'cpu' or 'cuda'") from None
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.backends.cuda.is_built()):
+        # fake tensors of a device this build has no guard for abort the process (a C++ error, no exception)
+        raise InputError(
+            f"trace(device=...) is {device!r}, which this PyTorch build cannot trace as; give 'cpu'"
+            + ("" if kind == "cuda" else " or 'cuda'")
+        )
     if not fake and any(t.is_meta for t in workload.model.parameters()):
         raise InputError("the model's parameters are on the meta device, which holds no values: trace it with --fake")
     return device
@@ -366,8 +378,8 @@ def _whole_stack(
 def with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
     """``ledger`` with the buffers the kernels of ``kernels`` (a tracer's ``kernel_calls``) allocate inside one
     op, each measured by running the call once more alone (evidence ``measured``)."""
-    entries, skipped = kernel_entries(kernels)
-    notes = tuple(_kernel_note(len(entries), skipped) if n == LIMITATIONS else n for n in ledger.notes)
+    entries, counts = kernel_entries(kernels)
+    notes = tuple(_kernel_note(len(entries), counts) if n == LIMITATIONS else n for n in ledger.notes)
     return ledger.with_entries((*ledger.entries, *entries), notes=notes)
 
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from trainledger.ledger import Category, Entry, Evidence
+from trainledger.trace import _scaled
+from trainledger.trace._scaled import bytes_free_for_probes, scaling_of, seconds_to_run
 from trainledger.workload import profiler_stderr_filtered, quiet_gc
 
 KERNEL_INTERNAL = "kernel_internal"
@@ -170,19 +172,69 @@ def _build(x: Any, *, meta: bool = False) -> Any:
     return x
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What probing one call found."""
+
+    nbytes: int | None
+    """The most its kernel held above what it returned; ``None`` where it was not run nor estimated."""
+    evidence: Evidence | None
+    """``measured`` (the call ran whole) or ``estimated`` (scaled from small instances of it)."""
+    why: str = ""
+    """Why it was estimated or left out."""
+
+
 def internal_bytes(calls: list[KernelCall]) -> dict[KernelCall, int]:
     """Per call: the most its kernel held at once above the storages it returned (profiler events).
 
-    Each call is measured once per process and thread count. Calls larger than
-    :data:`MAX_CALIBRATION_BYTES` are skipped (absent from the result).
+    Each call is measured once per process and thread count. Calls too large or too slow to run whole
+    (:func:`probe_calls`) are absent from the result.
     """
+    return {
+        c: p.nbytes for c, p in probe_calls(calls).items() if p.evidence == Evidence.MEASURED and p.nbytes is not None
+    }
+
+
+def probe_calls(
+    calls: list[KernelCall], *, max_seconds: float | None = None, max_bytes: int | None = None
+) -> dict[KernelCall, Probe]:
+    """Per distinct call, its kernel's buffers: measured by running it whole where that is predicted to take
+    at most ``max_seconds`` (default ``_scaled.MAX_PROBE_SECONDS``) and its tensors fit in ``max_bytes``
+    (default: the smaller of :data:`MAX_CALIBRATION_BYTES` and a quarter of the memory free now); otherwise
+    estimated from small instances of it where it is a convolution whose buffers grow as a product of its
+    sizes (:mod:`trainledger.trace._scaled`); otherwise left out, with the reason.
+    """
+    limit = min(MAX_CALIBRATION_BYTES, bytes_free_for_probes()) if max_bytes is None else max_bytes
+    max_seconds = _scaled.MAX_PROBE_SECONDS if max_seconds is None else max_seconds
+    whole, scaled, out = [], {}, {}
+    for call in dict.fromkeys(calls):
+        too_large = call.tensor_bytes > limit
+        if not too_large and seconds_to_run(call) <= max_seconds:
+            whole.append(call)
+            continue
+        scaling = scaling_of(call)
+        if scaling is None:
+            out[call] = Probe(None, None, "too large to run here" if too_large else "too slow to run here")
+        else:
+            scaled[call] = scaling
+    measured = _measured([*whole, *(c for s in scaled.values() for c in s.calls)])
+    for call in whole:
+        out[call] = Probe(measured[call], Evidence.MEASURED)
+    for call, scaling in scaled.items():
+        nbytes = scaling.estimate(measured)
+        why = "scaled from small instances" if nbytes is not None else "its buffers grow as no product of its sizes"
+        out[call] = Probe(nbytes, Evidence.ESTIMATED if nbytes is not None else None, why)
+    return out
+
+
+def _measured(calls: list[KernelCall]) -> dict[KernelCall, int]:
+    """``_measure`` of each distinct call, once per process and thread count."""
     threads = torch.get_num_threads()
-    distinct = [c for c in dict.fromkeys(calls) if c.tensor_bytes <= MAX_CALIBRATION_BYTES]
-    todo = [c for c in distinct if (c, threads) not in _MEASURED]
+    todo = [c for c in dict.fromkeys(calls) if (c, threads) not in _MEASURED]
     if todo:
         for call, nbytes in zip(todo, _measure(todo), strict=True):
             _MEASURED[call, threads] = nbytes
-    return {c: _MEASURED[c, threads] for c in distinct}
+    return {c: _MEASURED[c, threads] for c in calls}
 
 
 def _measure(calls: list[KernelCall]) -> list[int]:
@@ -237,14 +289,15 @@ def real_output_bytes(call: KernelCall) -> list[int] | None:
     return _OUTPUTS[call]
 
 
-def kernel_entries(calls: list[tuple[int, str, str, KernelCall | None]]) -> tuple[list[Entry], int]:
-    """Workspace entries for ``(event, op name, module, call)`` of a trace, and how many calls could not be
-    run here (too large, or a call that fake tensors cannot describe: ``None``)."""
-    measured = internal_bytes([c for *_, c in calls if c is not None])
+def kernel_entries(calls: list[tuple[int, str, str, KernelCall | None]]) -> tuple[list[Entry], KernelCounts]:
+    """Workspace entries for ``(event, op name, module, call)`` of a trace, and how many calls were measured,
+    estimated, or not run here (too large or too slow and not scalable, or a call that fake tensors cannot
+    describe: ``None``)."""
+    probes = probe_calls([c for *_, c in calls if c is not None])
     entries = []
     for event, op, module, call in calls:
-        nbytes = measured.get(call)
-        if not nbytes:
+        found = probes.get(call) if call is not None else None
+        if found is None or not found.nbytes:
             continue
         entries.append(
             Entry(
@@ -252,14 +305,27 @@ def kernel_entries(calls: list[tuple[int, str, str, KernelCall | None]]) -> tupl
                 category=Category.WORKSPACE,
                 role=KERNEL_INTERNAL,
                 dtype="uint8",
-                numel=nbytes,
-                nbytes=nbytes,
+                numel=found.nbytes,
+                nbytes=found.nbytes,
                 owner=module,
                 alloc_event=event,
                 free_event=event + 1,
-                evidence=Evidence.MEASURED,
-                shape=(nbytes,),
+                evidence=found.evidence or Evidence.MEASURED,
+                shape=(found.nbytes,),
             )
         )
-    skipped = sum(1 for *_, c in calls if c not in measured)
-    return entries, skipped
+    evidence = [probes[c].evidence if c is not None else None for *_, c in calls]
+    return entries, KernelCounts(
+        num_estimated=sum(1 for e in evidence if e == Evidence.ESTIMATED),
+        num_skipped=sum(1 for e in evidence if e is None),
+    )
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    """How the kernel calls of a trace were probed (by op call in the step, not by distinct call)."""
+
+    num_estimated: int
+    """Calls whose buffers were scaled from small instances (evidence ``estimated``)."""
+    num_skipped: int
+    """Calls not run here: too large or too slow, and not scalable; or inputs fake tensors cannot size."""
