@@ -93,13 +93,14 @@ def test_estimate_says_only_the_trace_covers_it(capsys):
 
 
 @pytest.mark.slow
-def test_diffusers_fake_trace_equals_real_trace():
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_diffusers_fake_trace_equals_real_trace(recipe):
     pytest.importorskip("diffusers")
     from trainledger.anymodel import workload_from_diffusers_config
     from trainledger.trace import trace
 
     path = FIXTURES / "sd15-unet-tiny-diffusers.json"
-    setup = Setup(micro_batch=2, seq_len=8, recipe="fp32")
+    setup = Setup(micro_batch=2, seq_len=8, recipe=recipe)
     real = trace(workload_from_diffusers_config(path, setup))
     fake = trace(workload_from_diffusers_config(path, setup, fake=True), fake=True)
     assert fake.peak().bytes == real.peak().bytes

@@ -431,7 +431,8 @@ def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: 
             batch["class_labels"] = torch.zeros(b, dtype=torch.long)
         out_channels = raw.get("out_channels") or raw.get("in_channels", 4)
         out = (b, out_channels, side, side)
-        batch["target"] = torch.zeros(out, dtype=dtype) if mode is not None else torch.randn(out, generator=gen)
+        # the target noise stays fp32 on both paths (the loss compares in fp32), as the real build draws it
+        batch["target"] = torch.zeros(out) if mode is not None else torch.randn(out, generator=gen)
     return batch
 
 
