@@ -169,7 +169,7 @@ def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
     and compares gradients on a small real instance (with ``--hf-config``)."""
     from dataclasses import replace
 
-    from trainledger.remat import PlanResult, candidate_costs, solve_per_rank, verify_fake
+    from trainledger.remat import PlanResult, candidate_costs, peak_by_evidence, solve_per_rank, verify_fake
 
     workload, planner, sharding = fake_planner(args)
     budget_bytes = budget.resolve(sharding.rank_ledger(planner.plain).peak().bytes)
@@ -187,7 +187,8 @@ def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
     state_floor = planner.state_floor_bytes if sharding.trivial else None
     baselines = planner.baselines(_per_rank_peak(planner, sharding), timed=False)
     summary = p.predicted.summary() if p.predicted else None
-    return PlanResult(p, costs, state_floor, verification, summary, baselines)
+    by_evidence = peak_by_evidence(p.predicted) if p.predicted else None
+    return PlanResult(p, costs, state_floor, verification, summary, by_evidence, baselines)
 
 
 def _per_rank_peak(planner: Any, sharding: Any) -> Any:
@@ -241,6 +242,8 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
             else ""
         ),
     ]
+    if result.peak_by_evidence:
+        lines.insert(0, evidence_line(result.peak_by_evidence))
     items.append(Text("\n".join(lines)))
     if result.baselines:
         items.append(baselines_table(result))
@@ -250,6 +253,20 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         items.append(Text(f"wrote {saved}"))
     items.append(notes_text([*p.notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
+
+
+_EVIDENCE_WORDS = {
+    "traced": "tensor storages, traced",
+    "measured": "kernel workspace, each kernel run alone",
+    "declared": "the CPU RNG state each checkpointed call keeps, torch's size",
+}
+
+
+def evidence_line(by_evidence: dict[str, int]) -> str:
+    """What the predicted peak is made of, by evidence: what the budget is compared with."""
+    order = [*_EVIDENCE_WORDS, *sorted(set(by_evidence) - set(_EVIDENCE_WORDS))]
+    parts = [f"{k} {by_evidence[k]:,} ({_EVIDENCE_WORDS.get(k, k)})" for k in order if k in by_evidence]
+    return "the budget is compared with all of it: " + "; ".join(parts)
 
 
 def _extra(p: Any) -> str:

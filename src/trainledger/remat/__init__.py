@@ -33,7 +33,14 @@ from trainledger.remat._candidates import (
 from trainledger.remat._full import RankPlanner, Sharding, plan_for_instance, solve_per_rank, verify_fake
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
 from trainledger.remat._plan import OP_POLICIES, POLICIES, OpPolicy, Plan, Region, structure_fingerprint
-from trainledger.remat._planner import InfeasibleBudget, Planner, PlanResult, plan, plan_and_verify
+from trainledger.remat._planner import (
+    InfeasibleBudget,
+    Planner,
+    PlanResult,
+    peak_by_evidence,
+    plan,
+    plan_and_verify,
+)
 from trainledger.remat._solvers import (
     SOLVERS,
     Chain,
@@ -91,6 +98,7 @@ __all__ = [
     "linear_model",
     "min_peak",
     "pareto",
+    "peak_by_evidence",
     "plan",
     "plan_and_verify",
     "plan_for_instance",

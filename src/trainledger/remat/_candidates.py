@@ -32,6 +32,7 @@ region's backward, so a plan's predicted ledger has a real breakdown at its peak
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
@@ -40,7 +41,7 @@ from typing import Any, Literal
 import numpy as np
 from torch import nn
 
-from trainledger.ledger import Category, Entry, Event, Ledger, ModuleCall
+from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, ModuleCall
 from trainledger.remat._plan import OP_POLICIES, Policy, Region
 from trainledger.remat._solvers import Chain, LinearModel
 from trainledger.trace import KERNEL_INTERNAL, ForwardRecord, StorageRecord
@@ -574,6 +575,41 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
             extra.append(_replay_temporary(cs, rc, lay, i, e))
     _keep_inputs(cs, rc, lay, touched)
     extra.extend(_state_copies(cs, rc, lay))
+    extra.extend(_rng_state(cs, rc, lay))
+
+
+RNG_STATE_ROLE = "checkpoint_rng_state"
+
+
+@functools.cache
+def cpu_rng_state_bytes() -> int:
+    """Bytes of the CPU generator's state, which each checkpointed call copies (``preserve_rng_state``)."""
+    import torch
+
+    return torch.get_rng_state().nbytes
+
+
+def _rng_state(cs: Candidates, rc: _Recompute, lay: _Layout) -> list[Entry]:
+    """The CPU RNG state the checkpoint copies when the call starts and keeps until its backward is over
+    (``torch.get_rng_state()``, made outside the dispatcher, so no trace sees it; the profiler does). On a
+    CUDA step it is host memory, and not counted on the device."""
+    if not cs.plain.device.startswith("cpu"):
+        return []
+    nbytes = cpu_rng_state_bytes()
+    return [
+        Entry(
+            f"rng_state@{rc.c.name}",
+            Category.OTHER,
+            RNG_STATE_ROLE,
+            "uint8",
+            nbytes,
+            nbytes,
+            owner=rc.c.region.path,
+            alloc_event=int(lay.new[rc.c.fwd[0]]),
+            free_event=rc.keep_until,
+            evidence=Evidence.DECLARED,
+        )
+    ]
 
 
 def _unsaved_free(cs: Candidates, rc: _Recompute, i: int) -> int:

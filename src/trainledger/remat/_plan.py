@@ -111,7 +111,7 @@ OP_POLICIES: dict[str, OpPolicy] = {
     for p in (
         OpPolicy(
             name="selective",
-            description="keep matmul and attention outputs",
+            description="keep matmul, convolution and attention outputs",
             saved_ops=SAVED_OP_NAMES,
         ),
         OpPolicy(
@@ -121,7 +121,9 @@ OP_POLICIES: dict[str, OpPolicy] = {
             matmul_stride=2,
         ),
         OpPolicy(name="attention", description="keep attention outputs", saved_ops=ATTENTION_OPS),
-        OpPolicy(name="matmul", description="keep matmul outputs", saved_ops=MATMUL_OPS | CONVOLUTION_OPS),
+        OpPolicy(
+            name="matmul", description="keep matmul and convolution outputs", saved_ops=MATMUL_OPS | CONVOLUTION_OPS
+        ),
     )
 }
 """The op-level policies a plan may choose per region, besides ``full`` (keep the region's inputs only)."""

@@ -270,6 +270,9 @@ class PlanResult:
     """What running the plan showed, or ``None`` without ``verify``."""
     predicted: LedgerSummary | None = None
     """The figures of the plain step with the plan replayed on it (``plan.predicted.summary()``)."""
+    peak_by_evidence: dict[str, int] | None = None
+    """The predicted peak split by how each part is known (``traced`` storages, ``measured`` kernel
+    workspace, ``declared`` RNG states of the checkpoints, ...); ``None``: not known (a saved plan)."""
     baselines: tuple[Baseline, ...] = ()
     """The named baselines on the same step (no recomputation, full per block, Megatron selective, op-level
     SAC per block), to set beside the plan."""
@@ -292,6 +295,7 @@ class PlanResult:
         out["state_floor_bytes"] = self.state_floor_bytes
         out["candidates"] = [c.to_dict() for c in self.candidates]
         out["baselines"] = [b.to_dict() for b in self.baselines]
+        out["peak_by_evidence"] = self.peak_by_evidence
         if self.verification is not None:
             if self.predicted is not None:
                 out["predicted"] = self.predicted.to_dict()
@@ -316,6 +320,7 @@ class PlanResult:
             verification=verification,
             predicted=LedgerSummary.from_dict(predicted) if "peak" in predicted else None,
             baselines=tuple(Baseline.from_dict(b) for b in data.get("baselines", ())),
+            peak_by_evidence=data.get("peak_by_evidence"),
         )
 
 
@@ -346,4 +351,23 @@ def plan_and_verify(
         verification = run_verify(workload, p)
     costs = candidate_costs(planner.candidates, planner.model)
     predicted = p.predicted.summary() if p.predicted is not None else None
-    return PlanResult(p, costs, planner.state_floor_bytes, verification, predicted, planner.baselines())
+    by_evidence = peak_by_evidence(p.predicted) if p.predicted is not None else None
+    return PlanResult(p, costs, planner.state_floor_bytes, verification, predicted, by_evidence, planner.baselines())
+
+
+def peak_by_evidence(ledger: Ledger) -> dict[str, int]:
+    """The bytes live at ``ledger``'s peak instant, by evidence (they sum to the peak).
+
+    Example:
+        >>> from trainledger.ledger import Category, Entry, Evidence, Ledger
+        >>> e = Entry("a", Category.ACTIVATIONS, "saved", "float32", 4, 16, alloc_event=0, free_event=1,
+        ...           evidence=Evidence.TRACED)
+        >>> peak_by_evidence(Ledger((e,), ()))
+        {'traced': 16}
+    """
+    event = ledger.peak().event
+    entries = ledger.entries if event is None else ledger.live_at(event)
+    out: dict[str, int] = {}
+    for e in entries:
+        out[str(e.evidence)] = out.get(str(e.evidence), 0) + e.nbytes
+    return out
