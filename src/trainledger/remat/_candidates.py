@@ -595,21 +595,39 @@ def _rng_state(cs: Candidates, rc: _Recompute, lay: _Layout) -> list[Entry]:
     CUDA step it is host memory, and not counted on the device."""
     if not cs.plain.device.startswith("cpu"):
         return []
+    return [_rng_entry(rc.c.region, int(lay.new[rc.c.fwd[0]]), rc.keep_until)]
+
+
+def _rng_entry(region: Region, alloc: int, free: int | None) -> Entry:
     nbytes = cpu_rng_state_bytes()
-    return [
-        Entry(
-            f"rng_state@{rc.c.name}",
-            Category.OTHER,
-            RNG_STATE_ROLE,
-            "uint8",
-            nbytes,
-            nbytes,
-            owner=rc.c.region.path,
-            alloc_event=int(lay.new[rc.c.fwd[0]]),
-            free_event=rc.keep_until,
-            evidence=Evidence.DECLARED,
-        )
-    ]
+    return Entry(
+        f"rng_state@{region.label}",
+        Category.OTHER,
+        RNG_STATE_ROLE,
+        "uint8",
+        nbytes,
+        nbytes,
+        owner=region.path,
+        alloc_event=alloc,
+        free_event=free,
+        evidence=Evidence.DECLARED,
+    )
+
+
+def with_rng_states(ledger: Ledger, regions: Sequence[Region]) -> Ledger:
+    """A step traced with a plan applied, with the RNG state each checkpointed call keeps (which the trace
+    does not see) added as :func:`replay` adds it to the prediction: from the call's first forward event to
+    the end of its backward."""
+    if not ledger.device.startswith("cpu"):
+        return ledger
+    added = []
+    for c in ledger.calls:
+        if not c.grad or c.stop <= c.start or ledger.events[c.start].phase != "forward":
+            continue
+        for r in regions:
+            if r.path == c.path and (r.call is None or c.index % r.num_calls == r.call):
+                added.append(_rng_entry(r, c.start, c.backward_stop))
+    return ledger.with_entries((*ledger.entries, *added)) if added else ledger
 
 
 def _unsaved_free(cs: Candidates, rc: _Recompute, i: int) -> int:
