@@ -57,6 +57,12 @@ def test_a_plan_file_names_its_policies_as_data(tmp_path):
         "op-sac": {"saved_ops": sorted(OP_POLICIES["op-sac"].saved_ops), "matmul_stride": 2}
     }
     assert Plan.load(tmp_path / "plan.json").regions == plan.regions
+    # a file written before op-level policies (no "policies" key; "selective" by name) loads as it did
+    old = {k: v for k, v in plan.to_dict().items() if k not in ("policies", "extra_other_flops")}
+    old["regions"] = [{"path": "blocks.0", "policy": "selective"}]
+    loaded = Plan.from_dict(old)
+    assert loaded.regions == (Region("blocks.0", "selective"),) and loaded.extra_other_flops is None
+    loaded.check(w.model)
 
 
 _WORKLOADS = {

@@ -16,11 +16,10 @@ _POLICIES_LINE = "POLICIES: dict[str, tuple[frozenset[str], int]] = {}  # the pl
 _STRIDED_LINE = "STRIDED_OPS: frozenset[str] = frozenset()  # matrix products\n"
 
 
-def policy_source(plan: Any, *, policies: dict[str, Any], command: str = "") -> str:
+def policy_source(plan: Any, *, policies: dict[str, Any], strided_ops: frozenset[str], command: str = "") -> str:
     """The text of the policy file for ``plan`` (see :func:`export_policy`); ``policies``: the op-level
-    policies by name (:data:`~trainledger.remat.OP_POLICIES`), of which the plan's are written."""
-    from trainledger.remat._plan import STRIDED_OPS
-
+    policies by name (:data:`~trainledger.remat.OP_POLICIES`), of which the plan's are written;
+    ``strided_ops``: the ops a matmul stride counts."""
     source = _POLICY_FILE.read_text()
     for line in (_REGIONS_LINE, _POLICIES_LINE, _STRIDED_LINE):
         assert source.count(line) == 1, f"placeholder moved: {line!r}"
@@ -38,7 +37,7 @@ def policy_source(plan: Any, *, policies: dict[str, Any], command: str = "") -> 
         _REGIONS_LINE, f"REGIONS: list[tuple[str, str, int | None, int, tuple[str, ...]]] = [\n{regions}]\n"
     )
     source = source.replace(_POLICIES_LINE, f"POLICIES: dict[str, tuple[frozenset[str], int]] = {{\n{entries}}}\n")
-    source = source.replace(_STRIDED_LINE, f"STRIDED_OPS: frozenset[str] = {_set_literal(STRIDED_OPS, 0)}\n")
+    source = source.replace(_STRIDED_LINE, f"STRIDED_OPS: frozenset[str] = {_set_literal(strided_ops, 0)}\n")
     return _header(plan, command) + source
 
 
@@ -64,7 +63,9 @@ def _header(plan: Any, command: str) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
-def export_policy(plan: Any, path: str | Path, *, policies: dict[str, Any], command: str = "") -> None:
+def export_policy(
+    plan: Any, path: str | Path, *, policies: dict[str, Any], strided_ops: frozenset[str], command: str = ""
+) -> None:
     """Write ``plan`` to ``path`` as a Python module with ``REGIONS``, ``POLICIES``, ``policy_fn``, ``apply``
     and ``remove``."""
-    Path(path).write_text(policy_source(plan, policies=policies, command=command))
+    Path(path).write_text(policy_source(plan, policies=policies, strided_ops=strided_ops, command=command))

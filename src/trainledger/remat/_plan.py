@@ -322,7 +322,7 @@ class Plan:
         """
         from trainledger.remat._export import export_policy
 
-        export_policy(self, path, policies=OP_POLICIES, command=command)
+        export_policy(self, path, policies=OP_POLICIES, strided_ops=STRIDED_OPS, command=command)
 
     # --- JSON ---------------------------------------------------------------------------------------------
 
