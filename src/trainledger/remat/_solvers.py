@@ -312,7 +312,8 @@ def _is_chain(model: LinearModel) -> bool:
 
 
 def chain_savings(model: LinearModel) -> list[list[int]]:
-    """Per position and option, the constant bytes the option saves between its forward and backward.
+    """Per position and option, the constant bytes the option saves between its forward and backward
+    (negative where the checkpoint holds more than the option frees: its RNG state, say).
 
     Raises ``ValueError`` when the model is not a chain in the DP's sense (an option changes memory
     outside its span by anything other than a constant saving, or before its forward).
@@ -331,7 +332,7 @@ def chain_savings(model: LinearModel) -> list[list[int]]:
             if np.any(d[free] != 0):
                 raise ValueError(f"position {k}: option {opt} changes memory outside its lifetime")
             vals = np.unique(d[held])
-            if len(vals) > 1 or (len(vals) == 1 and vals[0] > 0):
+            if len(vals) > 1:  # (a negative saving is allowed: an option whose checkpoint holds more than it frees)
                 raise ValueError(f"position {k}: option {opt} does not save a constant amount")
             row.append(int(-vals[0]) if len(vals) else 0)
         out.append(row)
