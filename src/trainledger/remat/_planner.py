@@ -359,10 +359,10 @@ def peak_by_evidence(ledger: Ledger) -> dict[str, int]:
     """The bytes live at ``ledger``'s peak instant, by evidence (they sum to the peak).
 
     Example:
-        >>> from trainledger.ledger import Category, Entry, Evidence, Ledger
+        >>> from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
         >>> e = Entry("a", Category.ACTIVATIONS, "saved", "float32", 4, 16, alloc_event=0, free_event=1,
         ...           evidence=Evidence.TRACED)
-        >>> peak_by_evidence(Ledger((e,), ()))
+        >>> peak_by_evidence(Ledger((e,), (Event(0, "forward", "aten.mm", ""),)))
         {'traced': 16}
     """
     event = ledger.peak().event
