@@ -102,6 +102,7 @@ def test_plan_json_keys_are_stable():
     assert sorted(d) == [
         "budget_bytes",
         "extra_flops",
+        "extra_other_flops",
         "extra_seconds",
         "fingerprint",
         "floor_bytes",
@@ -111,6 +112,7 @@ def test_plan_json_keys_are_stable():
         "optimality_gap",
         "plain_peak_bytes",
         "plan_notes",
+        "policies",
         "predicted_peak_bytes",
         "regions",
         "schema",

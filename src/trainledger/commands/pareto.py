@@ -129,8 +129,35 @@ def render(result: ParetoResult, console: Console) -> None:
             "the budget as it is and (-optim) less the optimizer state; * = it discards part of a module's "
             "activations (a per-op policy), shown with those modules recomputed whole; over = above the budget"
         )
-    items: list[Any] = [table, Text("\n".join(lines)), notes_text([*result.candidate_notes, UNITS_NOTE])]
+    items: list[Any] = [table, Text("\n".join(lines))]
+    if result.baselines:
+        items.append(baselines_table(result))
+    items.append(notes_text([*result.candidate_notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
+
+
+def baselines_table(result: ParetoResult) -> Table:
+    """Each named baseline beside our plan at the baseline's own peak (the budget it sets)."""
+    seconds = result.cost == "seconds"
+    unit = "ms" if seconds else "FLOPs"
+    table = Table(title="named baselines, and our plan with each one's peak as the budget", title_justify="left")
+    for col in ("baseline", "peak", f"its extra {unit}", f"ours: extra {unit}", "ours: peak", "note"):
+        table.add_column(col, justify="left" if col in ("baseline", "note") else "right")
+    for b, o in zip(result.baselines, result.at_baselines, strict=True):
+        if b.peak_bytes is None:
+            table.add_row(b.label, "-", "-", "-", "-", b.note)
+            continue
+        cost = (b.extra_seconds or 0.0) * 1e3 if seconds else b.cost_flops
+        row = [b.label, f"{b.peak_bytes:,}", f"{cost:,.2f}" if seconds else f"{cost:,}"]
+        if o is None:
+            row += ["-", "-"]
+        else:
+            ours = o.cost(result.cost)
+            row += [f"{ours * 1e3:,.2f}" if seconds else f"{int(ours):,}", f"{o.peak_bytes:,}"]
+        table.add_row(*row, b.note)
+    if not seconds:
+        table.caption = "FLOPs: FlopCounterMode's, plus one per output element of the other recomputed ops"
+    return table
 
 
 def sac_cell(row: dict[str, Any]) -> str:

@@ -169,7 +169,7 @@ def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
     and compares gradients on a small real instance (with ``--hf-config``)."""
     from dataclasses import replace
 
-    from trainledger.remat import PlanResult, candidate_costs, solve_per_rank, verify_fake
+    from trainledger.remat import PlanResult, candidate_costs, peak_by_evidence, solve_per_rank, verify_fake
 
     workload, planner, sharding = fake_planner(args)
     budget_bytes = budget.resolve(sharding.rank_ledger(planner.plain).peak().bytes)
@@ -185,7 +185,19 @@ def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
         p = replace(p, notes=(*p.notes, note if small is not None else _NO_SMALL_NOTE))
     costs = candidate_costs(planner.candidates, planner.model)
     state_floor = planner.state_floor_bytes if sharding.trivial else None
-    return PlanResult(p, costs, state_floor, verification, p.predicted.summary() if p.predicted else None)
+    baselines = planner.baselines(_per_rank_peak(planner, sharding), timed=False)
+    summary = p.predicted.summary() if p.predicted else None
+    by_evidence = peak_by_evidence(p.predicted) if p.predicted else None
+    return PlanResult(p, costs, state_floor, verification, summary, by_evidence, baselines)
+
+
+def _per_rank_peak(planner: Any, sharding: Any) -> Any:
+    """The fullest rank's peak of a choice of candidates, replayed and sharded (``None``: not sharded)."""
+    if sharding.trivial:
+        return None
+    from trainledger.remat import replay
+
+    return lambda choice: sharding.rank_ledger(replay(planner.candidates, choice)).peak().bytes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,7 +242,11 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
             else ""
         ),
     ]
+    if result.peak_by_evidence:
+        lines.insert(0, evidence_line(result.peak_by_evidence))
     items.append(Text("\n".join(lines)))
+    if result.baselines:
+        items.append(baselines_table(result))
     if result.verification is not None:
         items.append(verification_text(result))
     if saved:
@@ -239,13 +255,33 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
     print_renderables(*items, console=console)
 
 
+_EVIDENCE_WORDS = {
+    "traced": "tensor storages, traced",
+    "measured": "kernel workspace, each kernel run alone",
+    "declared": "the CPU RNG state each checkpointed call keeps, torch's size",
+}
+
+
+def evidence_line(by_evidence: dict[str, int]) -> str:
+    """What the predicted peak is made of, by evidence: what the budget is compared with."""
+    order = [*_EVIDENCE_WORDS, *sorted(set(by_evidence) - set(_EVIDENCE_WORDS))]
+    parts = [f"{k} {by_evidence[k]:,} ({_EVIDENCE_WORDS.get(k, k)})" for k in order if k in by_evidence]
+    return "the budget is compared with all of it: " + "; ".join(parts)
+
+
 def _extra(p: Any) -> str:
     if p.extra_flops is None:
         return "extra compute: not saved with the plan"
+    text = f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward (matmuls, convolutions, attention)"
+    if p.extra_other_flops is not None:
+        text += (
+            f" + {p.extra_other_flops:,} charged to the other recomputed ops (1 per output element; "
+            "FlopCounterMode counts them 0)"
+        )
     if p.extra_seconds is None:
-        return f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward (counted on fake tensors; not timed)"
+        return text + "; counted on fake tensors, not timed"
     return (
-        f"extra compute: {p.extra_flops:,} FLOPs recomputed in backward, {p.extra_seconds * 1e3:.2f} ms measured "
+        f"{text}; {p.extra_seconds * 1e3:.2f} ms measured "
         "(ops up to each region's early stop, medians of repeated single-thread runs)"
     )
 
@@ -314,19 +350,45 @@ def regions_table(result: PlanResult) -> Table | Text:
     for col in ("module", "policy", "saved bytes", "recompute transient", "recompute FLOPs", "recompute ms"):
         table.add_column(col, justify="left" if col in ("module", "policy") else "right")
     for r, c in result.recomputed():
-        policy = "keep inputs only" if r.policy == "full" else "keep matmul outputs"
+        policy = r.description
         if r.restore:
             policy += f"; recomputes on a copy of {len(r.restore)} buffers"
         if c is None:
-            table.add_row(r.label.removesuffix(" (selective)"), policy, "-", "-", "-", "-")
+            table.add_row(r.where, policy, "-", "-", "-", "-")
             continue
         transient = c.recompute_transient_bytes
         table.add_row(
-            r.label.removesuffix(" (selective)"),
+            r.where,
             policy,
             f"{c.saved_bytes:,}",
             f"{transient:,}" if transient is not None else "-",
             f"{c.recompute_flops:,}",
             f"{c.recompute_seconds * 1e3:.3f}" if result.plan.extra_seconds is not None else "-",
         )
+    return table
+
+
+def baselines_table(result: PlanResult) -> Table:
+    """The plan beside the named baselines on the same step: predicted peak and extra compute."""
+    p = result.plan
+    timed = p.extra_seconds is not None
+    table = Table(title="beside the plans people use (predicted on the same trace)", title_justify="left")
+    for col in ("plan", "peak bytes", "extra FLOPs", "other ops", *(("ms",) if timed else ()), "regions"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+
+    def row(name: str, peak: int | None, flops: int | None, other: int | None, ms: float | None, n: Any) -> None:
+        cells = [name, "-" if peak is None else f"{peak:,}", "-" if flops is None else f"{flops:,}"]
+        cells.append("-" if other is None else f"{other:,}")
+        if timed:
+            cells.append("-" if ms is None else f"{ms * 1e3:.2f}")
+        table.add_row(*cells, "-" if n is None else str(n))
+
+    row("this plan", p.predicted_peak_bytes, p.extra_flops, p.extra_other_flops, p.extra_seconds, len(p.regions))
+    for b in result.baselines:
+        label = b.label + (f"\n  {b.note}" if b.note else "")
+        if b.choice is None:
+            row(label, None, None, None, None, None)
+        else:
+            row(label, b.peak_bytes, b.extra_flops, b.extra_other_flops, b.extra_seconds, len(b.choice))
+    table.caption = "other ops: the cost charged to ops FlopCounterMode counts 0, one FLOP per output element"
     return table

@@ -19,6 +19,7 @@ from __future__ import annotations
 from trainledger.remat._budget import Budget
 from trainledger.remat._candidates import (
     COSTS,
+    OTHER_OP_FLOPS_PER_ELEMENT,
     Candidate,
     CandidateCost,
     Candidates,
@@ -31,8 +32,15 @@ from trainledger.remat._candidates import (
 )
 from trainledger.remat._full import RankPlanner, Sharding, plan_for_instance, solve_per_rank, verify_fake
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
-from trainledger.remat._plan import Plan, Region, structure_fingerprint
-from trainledger.remat._planner import InfeasibleBudget, Planner, PlanResult, plan, plan_and_verify
+from trainledger.remat._plan import OP_POLICIES, POLICIES, OpPolicy, Plan, Region, structure_fingerprint
+from trainledger.remat._planner import (
+    InfeasibleBudget,
+    Planner,
+    PlanResult,
+    peak_by_evidence,
+    plan,
+    plan_and_verify,
+)
 from trainledger.remat._solvers import (
     SOLVERS,
     Chain,
@@ -50,11 +58,14 @@ from trainledger.remat._solvers import (
     sqrt_n_choice,
     uniform_chain_model,
 )
-from trainledger.remat._verify import AGREEMENT, Verification, compare_state, verify
+from trainledger.remat._verify import AGREEMENT, Verification, compare_gradients, compare_state, verify
 
 __all__ = [
     "AGREEMENT",
     "COSTS",
+    "OP_POLICIES",
+    "OTHER_OP_FLOPS_PER_ELEMENT",
+    "POLICIES",
     "SOLVERS",
     "Budget",
     "Candidate",
@@ -65,6 +76,7 @@ __all__ = [
     "InfeasibleBudget",
     "LinearModel",
     "NoPlan",
+    "OpPolicy",
     "ParetoResult",
     "ParetoRow",
     "Plan",
@@ -80,11 +92,13 @@ __all__ = [
     "brute_force",
     "candidate_costs",
     "chain_savings",
+    "compare_gradients",
     "compare_state",
     "find_candidates",
     "linear_model",
     "min_peak",
     "pareto",
+    "peak_by_evidence",
     "plan",
     "plan_and_verify",
     "plan_for_instance",

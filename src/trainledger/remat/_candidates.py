@@ -32,6 +32,7 @@ region's backward, so a plan's predicted ledger has a real breakdown at its peak
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
@@ -40,11 +41,15 @@ from typing import Any, Literal
 import numpy as np
 from torch import nn
 
-from trainledger.ledger import Category, Entry, Event, Ledger, ModuleCall
-from trainledger.remat._plan import SAVED_OP_NAMES, Policy, Region
+from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, ModuleCall
+from trainledger.remat._plan import OP_POLICIES, Policy, Region
 from trainledger.remat._solvers import Chain, LinearModel
 from trainledger.trace import KERNEL_INTERNAL, ForwardRecord, StorageRecord
 
+OTHER_OP_FLOPS_PER_ELEMENT = 1
+"""The recompute cost of an op ``FlopCounterMode`` has no formula for (elementwise ops, norms, softmax,
+copies): one FLOP per element of its outputs. Cheap ops are then cheap to recompute but not free, so the
+solver prefers recomputing them over matmuls without treating an op-level policy as costless."""
 CostKind = Literal["seconds", "flops"]
 COSTS: tuple[str, ...] = ("seconds", "flops")
 """What a solver can minimise: measured seconds of the recomputed ops, or their FLOPs."""
@@ -157,9 +162,15 @@ class Candidate:
     saved_bytes: int
     """Bytes of saved activations no longer held between the region's forward and its backward."""
     flops: int
+    """FLOPs of the recomputed ops that ``FlopCounterMode`` counts (matmuls, convolutions, attention)."""
     seconds: float
     covers: frozenset[str]
     """The calls inside the region; overlapping candidates conflict."""
+    other_flops: int = 0
+    """The cost charged to the recomputed ops ``FlopCounterMode`` counts as 0: :data:`OTHER_OP_FLOPS_PER_ELEMENT`
+    per element of the outputs they allocate (a view or an in-place op allocates nothing: 0)."""
+    cached: frozenset[int] = frozenset()
+    """Forward events whose outputs the region's op-level policy keeps (empty for ``full``)."""
 
     @property
     def name(self) -> str:
@@ -254,9 +265,7 @@ def find_candidates(
         if i in block_calls:
             blocks.append(len(cands))
         cands.append(whole)
-        selective = _candidate(plain, tree, record, info, i, "selective", whole.position)
-        if selective is not None and selective.saved_bytes and selective.seconds < whole.seconds:
-            cands.append(selective)
+        cands.extend(_op_level(plain, tree, record, info, i, whole))
         for k in tree.children[i]:
             if k in unsafe or not tree.runs_backward(k):
                 continue
@@ -265,6 +274,29 @@ def find_candidates(
                 cands.append(c)
     inputs = {c.call: _inputs_of(plain, record, c) for c in cands}
     return Candidates(plain, record, tuple(cands), tuple(labels), tree, info, inputs, tuple(blocks), tuple(notes))
+
+
+def _op_level(
+    plain: Ledger,
+    tree: CallTree,
+    record: ForwardRecord | None,
+    info: dict[int, _EntryInfo],
+    call: int,
+    whole: Candidate,
+) -> list[Candidate]:
+    """The op-level candidates of one call: one per policy of :data:`OP_POLICIES` that keeps something,
+    saves bytes and costs less than recomputing the call whole; a policy that keeps the same outputs as an
+    earlier one here (no attention op, say) is the same plan and is left out."""
+    out: list[Candidate] = []
+    seen: set[frozenset[int]] = set()
+    for name in OP_POLICIES:
+        c = _candidate(plain, tree, record, info, call, name, whole.position)
+        if c is None or not c.cached or c.cached in seen or c.saved_bytes <= 0:
+            continue
+        seen.add(c.cached)
+        if c.seconds < whole.seconds or c.flops + c.other_flops < whole.flops + whole.other_flops:
+            out.append(c)
+    return out
 
 
 def _entry_info(plain: Ledger, record: ForwardRecord | None, num_fwd: int) -> dict[int, _EntryInfo]:
@@ -314,23 +346,23 @@ def _candidate(
     stop = max(plain.entries[i].alloc_event for i in saved_in)  # type: ignore[type-var]
     if record is not None and record.packs:
         stop = max([stop, *(f for f, k in record.packs if f0 <= f <= f1 and k in inside)])
-    early = [i for i in saved_in if not _cached(plain, i, policy)]
+    cached = cached_events(plain, f0, f1, policy)
+    early = [i for i in saved_in if not _cached(plain, i, cached)]
     saved_bytes = sum(plain.entries[i].nbytes for i in early if not _mixed(info, i, inside))
-    if policy == "selective":  # non-saved matmul outputs are held by the cache until recomputation
-        saved_bytes -= sum(
-            e.nbytes
-            for i, e in enumerate(plain.entries)
-            if e.alloc_event is not None
-            and f0 <= e.alloc_event <= f1
-            and _cached(plain, i, policy)
-            and i not in saved_in
-            and (e.free_event is not None and e.free_event < t0)  # type: ignore[operator]
-        )
-    recomputed = [
-        f for f in range(f0, stop + 1) if not (policy == "selective" and plain.events[f].op in SAVED_OP_NAMES)
-    ]
+    # outputs the policy keeps that autograd would not have saved are held by the cache until recomputation
+    saved_bytes -= sum(
+        e.nbytes
+        for i, e in enumerate(plain.entries)
+        if e.alloc_event is not None
+        and f0 <= e.alloc_event <= f1
+        and _cached(plain, i, cached)
+        and i not in saved_in
+        and (e.free_event is not None and e.free_event < t0)  # type: ignore[operator]
+    )
+    recomputed = [f for f in range(f0, stop + 1) if f not in cached]
     flops = sum(record.flops[f] for f in recomputed) if record is not None else 0
     seconds = sum(record.seconds[f] for f in recomputed) if record is not None else float(len(recomputed))
+    other = _other_flops(plain, record, recomputed)
     restore = tuple(sorted(c.writes))
     return Candidate(
         tree.region(call, policy, restore),
@@ -343,6 +375,26 @@ def _candidate(
         flops,
         seconds,
         frozenset(str(k) for k in inside),
+        other,
+        cached,
+    )
+
+
+def cached_events(plain: Ledger, f0: int, f1: int, policy: Policy) -> frozenset[int]:
+    """Forward events ``f0..f1`` (one call of a region) whose outputs ``policy`` keeps."""
+    if policy == "full":
+        return frozenset()
+    keep = OP_POLICIES[policy].saved_positions([plain.events[f].op for f in range(f0, f1 + 1)])
+    return frozenset(f0 + k for k, kept in enumerate(keep) if kept)
+
+
+def _other_flops(plain: Ledger, record: ForwardRecord | None, events: Sequence[int]) -> int:
+    """The cost of the ``events`` FlopCounterMode counts 0 for: elements of the outputs they allocate."""
+    if record is None:
+        return 0
+    wanted = {f for f in events if record.flops[f] == 0}
+    return OTHER_OP_FLOPS_PER_ELEMENT * sum(
+        e.numel for e in plain.entries if e.alloc_event in wanted and e.role != KERNEL_INTERNAL
     )
 
 
@@ -368,15 +420,10 @@ def _mixed(info: dict[int, _EntryInfo], i: int, inside: frozenset[int]) -> bool:
     return inf is not None and not inf.savers <= inside
 
 
-def _cached(plain: Ledger, i: int, policy: Policy) -> bool:
-    """A selective region keeps this output of a matmul-like op (not the kernel's own buffers)."""
+def _cached(plain: Ledger, i: int, cached: frozenset[int]) -> bool:
+    """The region's op-level policy keeps this output (not a kernel's own buffer)."""
     e = plain.entries[i]
-    return (
-        policy == "selective"
-        and e.alloc_event is not None
-        and plain.events[e.alloc_event].op in SAVED_OP_NAMES
-        and e.role != KERNEL_INTERNAL
-    )
+    return e.alloc_event in cached and e.role != KERNEL_INTERNAL
 
 
 def _inputs_of(plain: Ledger, record: ForwardRecord | None, c: Candidate) -> tuple[int, ...]:
@@ -518,7 +565,7 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
         a = e.alloc_event
         if a is None or not c.fwd[0] <= a <= c.fwd[1]:
             continue
-        if _cached(cs.plain, i, c.region.policy):  # selective: kept by the cache, not recomputed
+        if _cached(cs.plain, i, c.cached):  # op-level policy: kept by the cache, not recomputed
             if i not in saved_in:  # (a saved one is held from forward to its last use, as in the plain step)
                 touched[i] = _replay_cached(cs, rc, lay, i, e)
         elif i in saved_in:
@@ -528,6 +575,59 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
             extra.append(_replay_temporary(cs, rc, lay, i, e))
     _keep_inputs(cs, rc, lay, touched)
     extra.extend(_state_copies(cs, rc, lay))
+    extra.extend(_rng_state(cs, rc, lay))
+
+
+RNG_STATE_ROLE = "checkpoint_rng_state"
+
+
+@functools.cache
+def cpu_rng_state_bytes() -> int:
+    """Bytes of the CPU generator's state, which each checkpointed call copies (``preserve_rng_state``)."""
+    import torch
+
+    return torch.get_rng_state().nbytes
+
+
+def _rng_state(cs: Candidates, rc: _Recompute, lay: _Layout) -> list[Entry]:
+    """The CPU RNG state the checkpoint copies when the call starts and keeps until its backward is over
+    (``torch.get_rng_state()``, made outside the dispatcher, so no trace sees it; the profiler does). On a
+    CUDA step it is host memory, and not counted on the device."""
+    if not cs.plain.device.startswith("cpu"):
+        return []
+    return [_rng_entry(rc.c.region, int(lay.new[rc.c.fwd[0]]), rc.keep_until)]
+
+
+def _rng_entry(region: Region, alloc: int, free: int | None) -> Entry:
+    nbytes = cpu_rng_state_bytes()
+    return Entry(
+        f"rng_state@{region.label}",
+        Category.OTHER,
+        RNG_STATE_ROLE,
+        "uint8",
+        nbytes,
+        nbytes,
+        owner=region.path,
+        alloc_event=alloc,
+        free_event=free,
+        evidence=Evidence.DECLARED,
+    )
+
+
+def with_rng_states(ledger: Ledger, regions: Sequence[Region]) -> Ledger:
+    """A step traced with a plan applied, with the RNG state each checkpointed call keeps (which the trace
+    does not see) added as :func:`replay` adds it to the prediction: from the call's first forward event to
+    the end of its backward."""
+    if not ledger.device.startswith("cpu"):
+        return ledger
+    added = []
+    for c in ledger.calls:
+        if not c.grad or c.stop <= c.start or ledger.events[c.start].phase != "forward":
+            continue
+        for r in regions:
+            if r.path == c.path and (r.call is None or c.index % r.num_calls == r.call):
+                added.append(_rng_entry(r, c.start, c.backward_stop))
+    return ledger.with_entries((*ledger.entries, *added)) if added else ledger
 
 
 def _unsaved_free(cs: Candidates, rc: _Recompute, i: int) -> int:
@@ -652,7 +752,7 @@ def linear_model(cs: Candidates, *, cost: CostKind = "seconds") -> LinearModel:
             diff[a] += e.nbytes
             diff[b] -= e.nbytes
         delta[j] = np.cumsum(diff[:-1])
-    costs = np.array([float(c.seconds if cost == "seconds" else c.flops) for c in cs.candidates])
+    costs = np.array([float(c.seconds if cost == "seconds" else c.flops + c.other_flops) for c in cs.candidates])
     chain = _chain(cs, every, len(base))
     return LinearModel(
         base,

@@ -1,8 +1,8 @@
 """Write a plan as a Python file that runs it without trainledger (``Plan.export_policy``).
 
 The file is ``_policy_file.py`` (imports only torch) with a header comment that says where the plan came
-from, and its two placeholders (``REGIONS``, ``SAVED_OP_NAMES``) filled with the plan's data. ``plan`` is a ``Plan``
-(untyped here: ``_plan`` imports this module).
+from, and its placeholders (``REGIONS``, ``POLICIES``, ``STRIDED_OPS``) filled with the plan's data. ``plan``
+is a ``Plan`` (untyped here: ``_plan`` imports this module).
 """
 
 from __future__ import annotations
@@ -12,22 +12,40 @@ from typing import Any
 
 _POLICY_FILE = Path(__file__).with_name("_policy_file.py")  # read as text, not imported
 _REGIONS_LINE = "REGIONS: list[tuple[str, str, int | None, int, tuple[str, ...]]] = []  # the plan's regions\n"
-_SAVED_LINE = "SAVED_OP_NAMES: frozenset[str] = frozenset()  # the plan's saved ops\n"
+_POLICIES_LINE = "POLICIES: dict[str, tuple[frozenset[str], int]] = {}  # the plan's policies\n"
+_STRIDED_LINE = "STRIDED_OPS: frozenset[str] = frozenset()  # matrix products\n"
 
 
-def policy_source(plan: Any, *, saved_op_names: frozenset[str], command: str = "") -> str:
-    """The text of the policy file for ``plan`` (see :func:`export_policy`)."""
+def policy_source(plan: Any, *, policies: dict[str, Any], strided_ops: frozenset[str], command: str = "") -> str:
+    """The text of the policy file for ``plan`` (see :func:`export_policy`); ``policies``: the op-level
+    policies by name (:data:`~trainledger.remat.OP_POLICIES`), of which the plan's are written;
+    ``strided_ops``: the ops a matmul stride counts."""
     source = _POLICY_FILE.read_text()
-    assert source.count(_REGIONS_LINE) == 1 and source.count(_SAVED_LINE) == 1, "placeholders moved"
+    for line in (_REGIONS_LINE, _POLICIES_LINE, _STRIDED_LINE):
+        assert source.count(line) == 1, f"placeholder moved: {line!r}"
     regions = "".join(
         f"    ({r.path!r}, {r.policy!r}, {r.call!r}, {r.num_calls!r}, {tuple(r.restore)!r}),\n" for r in plan.regions
     )
-    saved = "".join(f"        {name!r},\n" for name in sorted(saved_op_names))
+    used = sorted({r.policy for r in plan.regions if r.policy != "full"})
+    entries = "".join(
+        f"    # {policies[name].description}\n"
+        f"    {name!r}: (\n        {_set_literal(policies[name].saved_ops, 8)},\n"
+        f"        {policies[name].matmul_stride},\n    ),\n"
+        for name in used
+    )
     source = source.replace(
         _REGIONS_LINE, f"REGIONS: list[tuple[str, str, int | None, int, tuple[str, ...]]] = [\n{regions}]\n"
     )
-    source = source.replace(_SAVED_LINE, f"SAVED_OP_NAMES: frozenset[str] = frozenset(\n    {{\n{saved}    }}\n)\n")
+    source = source.replace(_POLICIES_LINE, f"POLICIES: dict[str, tuple[frozenset[str], int]] = {{\n{entries}}}\n")
+    source = source.replace(_STRIDED_LINE, f"STRIDED_OPS: frozenset[str] = {_set_literal(strided_ops, 0)}\n")
     return _header(plan, command) + source
+
+
+def _set_literal(names: frozenset[str], indent: int) -> str:
+    """``frozenset({...})`` with one name a line, its first line at ``indent`` spaces."""
+    pad = " " * indent
+    items = "".join(f"{pad}        {n!r},\n" for n in sorted(names))
+    return f"frozenset(\n{pad}    {{\n{items}{pad}    }}\n{pad})"
 
 
 def _header(plan: Any, command: str) -> str:
@@ -45,6 +63,9 @@ def _header(plan: Any, command: str) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
-def export_policy(plan: Any, path: str | Path, *, saved_op_names: frozenset[str], command: str = "") -> None:
-    """Write ``plan`` to ``path`` as a Python module with ``REGIONS``, ``policy_fn``, ``apply`` and ``remove``."""
-    Path(path).write_text(policy_source(plan, saved_op_names=saved_op_names, command=command))
+def export_policy(
+    plan: Any, path: str | Path, *, policies: dict[str, Any], strided_ops: frozenset[str], command: str = ""
+) -> None:
+    """Write ``plan`` to ``path`` as a Python module with ``REGIONS``, ``POLICIES``, ``policy_fn``, ``apply``
+    and ``remove``."""
+    Path(path).write_text(policy_source(plan, policies=policies, strided_ops=strided_ops, command=command))

@@ -16,6 +16,7 @@ import numpy as np
 from trainledger.checks import MAX_BUDGETS, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
+from trainledger.remat._baselines import Baseline
 from trainledger.remat._candidates import COSTS, CostKind, replay
 from trainledger.remat._full import RankPlanner, Sharding, solve_per_rank
 from trainledger.remat._planner import Planner
@@ -45,6 +46,12 @@ class Point:
     traced_peak_bytes: int | None = None
     """With ``verify``: the peak of the step traced again with the plan applied."""
     gradients_bitwise_equal: bool | None = None
+    extra_other_flops: int = 0
+    """The cost charged to the recomputed ops ``FlopCounterMode`` counts 0 (one FLOP per output element)."""
+
+    def cost(self, kind: CostKind) -> float:
+        """What the solver minimised: measured seconds, or FLOPs with the other ops' charge."""
+        return self.extra_seconds if kind == "seconds" else float(self.extra_flops + self.extra_other_flops)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +64,7 @@ class Point:
             "gap": self.gap,
             "traced_peak_bytes": self.traced_peak_bytes,
             "gradients_bitwise_equal": self.gradients_bitwise_equal,
+            "extra_other_flops": self.extra_other_flops,
         }
 
     @classmethod
@@ -112,6 +120,10 @@ class ParetoResult:
     ``benchmarks/torch_sac.py`` benchmark (the sweep itself says where to find it)."""
     planner: Planner | None = field(default=None, repr=False, compare=False)
     """The planner the sweep ran (``None`` when read back from JSON)."""
+    baselines: tuple[Baseline, ...] = ()
+    """The named baselines (no recomputation, full per block, Megatron selective, op-level SAC per block)."""
+    at_baselines: tuple[Point | None, ...] = ()
+    """Per baseline, our plan with its peak as the budget (``None``: the baseline is not expressible)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = self.plain.to_dict()
@@ -127,6 +139,10 @@ class ParetoResult:
                 "uniform_per_block": self.uniform.to_dict(),
                 "sqrt_n": self.sqrt_n.to_dict(),
                 "candidate_notes": list(self.candidate_notes),
+                "baselines": [
+                    {**b.to_dict(), "ours": None if o is None else o.to_dict()}
+                    for b, o in zip(self.baselines, self.at_baselines, strict=True)
+                ],
                 **self.extra,
             }
         )
@@ -149,6 +165,10 @@ class ParetoResult:
             cost=data["cost"],
             candidate_notes=tuple(data.get("candidate_notes", ())),
             extra={k: data[k] for k in _EXTRA_KEYS if k in data},
+            baselines=tuple(Baseline.from_dict(b) for b in data.get("baselines", ())),
+            at_baselines=tuple(
+                None if b.get("ours") is None else Point.from_dict(b["ours"]) for b in data.get("baselines", ())
+            ),
         )
 
 
@@ -166,6 +186,7 @@ def _point(planner: Planner, method: str, sol: Solution) -> Point:
         tuple(c.name for c in sorted(chosen, key=lambda c: c.fwd[0])),
         sol.optimal,
         sol.gap,
+        extra_other_flops=sum(c.other_flops for c in chosen),
     )
 
 
@@ -226,6 +247,11 @@ def pareto(
             ours = _verified(planner, workload, ours, b)
         rows.append(ParetoRow(b, ours, milp, greedy))
     blocks = planner.block_candidates()
+    baselines = planner.baselines()
+    at = tuple(
+        None if b.peak_bytes is None else _point(planner, "ours", _solve_auto(planner, b.peak_bytes, time_limit_s))
+        for b in baselines
+    )
     return ParetoResult(
         model=workload.name,
         plain=planner.plain.summary(),
@@ -239,6 +265,8 @@ def pareto(
         candidate_notes=tuple(planner.candidates.notes),
         extra={"torch_sac_ilp": SAC_NOT_RUN},
         planner=planner,
+        baselines=baselines,
+        at_baselines=at,
     )
 
 
@@ -270,7 +298,8 @@ def pareto_per_rank(
     ) -> Point:
         chosen = [cs.candidates[j] for j in choice]
         names = tuple(c.name for c in sorted(chosen, key=lambda c: c.fwd[0]))
-        return Point(method, peak, 0.0, sum(c.flops for c in chosen), names, optimal, gap)
+        other = sum(c.other_flops for c in chosen)
+        return Point(method, peak, 0.0, sum(c.flops for c in chosen), names, optimal, gap, extra_other_flops=other)
 
     def fixed(method: str, choice: tuple[int, ...]) -> Point:
         return point(method, choice, sharding.rank_ledger(replay(cs, choice)).peak().bytes)
@@ -281,11 +310,14 @@ def pareto_per_rank(
     plain_rank, floor_rank = rank_planner.plain_rank_bytes, rank_planner.floor_rank_bytes
     sweep = {int(x) for x in np.linspace(plain_rank, floor_rank, num_budgets).round()}
     sweep |= {p.peak_bytes for p in (uniform, sqrt_n) if floor_rank <= p.peak_bytes <= plain_rank}
+    baselines = planner.baselines(lambda ch: sharding.rank_ledger(replay(cs, ch)).peak().bytes, timed=False)
+    sweep |= {b.peak_bytes for b in baselines if b.peak_bytes is not None and floor_rank <= b.peak_bytes <= plain_rank}
     rows = []
     for b in sorted(sweep, reverse=True):
         p = solve_per_rank(planner, b, sharding, time_limit_s=time_limit_s, rank_planner=rank_planner)
         choice = tuple(cs.index(r) for r in p.regions)
         rows.append(ParetoRow(b, point("ours", choice, p.predicted_peak_bytes or 0, p.optimal, p.gap), None, None))
+    ours = {r.budget_bytes: r.ours for r in rows}
     return ParetoResult(
         model=planner.workload.name,
         plain=sharding.rank_ledger(planner.plain).summary(),  # the fullest rank's plain step
@@ -302,4 +334,6 @@ def pareto_per_rank(
             "per_rank": {"world_size": sharding.world_size, "strategy": sharding.strategy},
         },
         planner=planner,
+        baselines=baselines,
+        at_baselines=tuple(None if b.peak_bytes is None else ours.get(b.peak_bytes) for b in baselines),
     )

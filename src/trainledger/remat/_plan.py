@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,24 +32,105 @@ from trainledger.ledger import Ledger
 from trainledger.remat._policy_file import on_a_copy_when_recomputed
 
 PLAN_SCHEMA = "trainledger.remat-plan/1"
-Policy = Literal["full", "selective"]
-POLICIES: tuple[str, ...] = ("full", "selective")
 
-# Ops whose outputs a selective region keeps (expensive to recompute, per byte); everything else is
-# recomputed during backward. The policy of torchtitan's "op-level SAC", written for our op names.
-SAVED_OP_NAMES: frozenset[str] = frozenset(
+# Op types, by the names the tracer gives them (``str(op.overloadpacket)``: the overload left out).
+MATMUL_OPS: frozenset[str] = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+CONVOLUTION_OPS: frozenset[str] = frozenset({"aten.convolution"})
+ATTENTION_OPS: frozenset[str] = frozenset(
     {
-        "aten.mm",
-        "aten.addmm",
-        "aten.bmm",
-        "aten.baddbmm",
-        "aten.convolution",
         "aten._scaled_dot_product_flash_attention",
         "aten._scaled_dot_product_efficient_attention",
         "aten._scaled_dot_product_cudnn_attention",
         "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._flash_attention_forward",
+        "aten._efficient_attention_forward",
     }
 )
+STRIDED_OPS: frozenset[str] = MATMUL_OPS | CONVOLUTION_OPS
+"""The ops an :class:`OpPolicy`'s ``matmul_stride`` counts (matrix products; a convolution is one)."""
+
+# Ops whose outputs the ``selective`` policy keeps (expensive to recompute, per byte); everything else is
+# recomputed during backward.
+SAVED_OP_NAMES: frozenset[str] = MATMUL_OPS | CONVOLUTION_OPS | ATTENTION_OPS
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpPolicy:
+    """An op-level selective policy: which op types' outputs a region keeps; all other ops are recomputed.
+
+    The form ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes, as data. The ops of
+    one call of the region are seen in forward order (and again, in the same order, when it is recomputed).
+
+    Example:
+        >>> p = OP_POLICIES["op-sac"]
+        >>> [p.saves("aten.mm", k) for k in (1, 2, 3, 4)], p.saves("aten.add.Tensor", 0)
+        ([True, False, True, False], False)
+    """
+
+    name: str
+    """How plans, JSON and the command line name it."""
+    description: str
+    """What it keeps, in words (the ``policy`` column of ``trainledger plan``)."""
+    saved_ops: frozenset[str]
+    """Op types (``aten.mm``, without overload) whose outputs are kept from forward to backward."""
+    matmul_stride: int = 1
+    """Among the saved ops of :data:`STRIDED_OPS`, counted from 1 in each call, every ``k``-th is
+    recomputed (torchtitan's op-level SAC: ``k = 2``); 1: every one is kept."""
+
+    def __post_init__(self) -> None:
+        assert self.matmul_stride >= 1, self.matmul_stride
+
+    def saves(self, op: str, matmul_index: int) -> bool:
+        """Whether the output of ``op`` is kept, ``matmul_index`` being its count among the strided saved
+        ops of this call so far (itself included)."""
+        op = op_type(op)
+        if op not in self.saved_ops:
+            return False
+        return op not in STRIDED_OPS or self.matmul_stride == 1 or matmul_index % self.matmul_stride != 0
+
+    def saved_positions(self, ops: Sequence[str]) -> tuple[bool, ...]:
+        """For each op of one call, in forward order, whether its output is kept."""
+        out, count = [], 0
+        for op in ops:
+            if op_type(op) in STRIDED_OPS and op_type(op) in self.saved_ops:
+                count += 1
+            out.append(self.saves(op, count))
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"saved_ops": sorted(self.saved_ops), "matmul_stride": self.matmul_stride}
+
+
+def op_type(op: str) -> str:
+    """``aten.mul.Tensor`` -> ``aten.mul``: the op type a policy names (traced names carry the overload)."""
+    return ".".join(op.split(".")[:2])
+
+
+OP_POLICIES: dict[str, OpPolicy] = {
+    p.name: p
+    for p in (
+        OpPolicy(
+            name="selective",
+            description="keep matmul, convolution and attention outputs",
+            saved_ops=SAVED_OP_NAMES,
+        ),
+        OpPolicy(
+            name="op-sac",
+            description="keep attention and every 2nd matmul output",
+            saved_ops=SAVED_OP_NAMES,
+            matmul_stride=2,
+        ),
+        OpPolicy(name="attention", description="keep attention outputs", saved_ops=ATTENTION_OPS),
+        OpPolicy(
+            name="matmul", description="keep matmul and convolution outputs", saved_ops=MATMUL_OPS | CONVOLUTION_OPS
+        ),
+    )
+}
+"""The op-level policies a plan may choose per region, besides ``full`` (keep the region's inputs only)."""
+
+Policy = str
+"""``full`` or a name in :data:`OP_POLICIES`."""
+POLICIES: tuple[str, ...] = ("full", *OP_POLICIES)
 
 _STATE = "_trainledger_remat"  # instance attributes only while a plan is applied
 _HOOK = "_trainledger_remat_hook"
@@ -63,7 +144,8 @@ class Region:
     path: str
     """Module path as ``model.named_modules()`` names it: ``blocks.3``, ``blocks.3.mlp``."""
     policy: Policy = "full"
-    """``full``: keep only the module's inputs; ``selective``: also keep matmul/conv outputs."""
+    """``full``: keep only the module's inputs; an op-level policy (:data:`OP_POLICIES`): also keep the
+    outputs of the op types it names."""
     call: int | None = None
     """Which call of the module, for a module called several times per step; ``None``: every call."""
     num_calls: int = 1
@@ -73,11 +155,20 @@ class Region:
 
     @property
     def label(self) -> str:
-        """``blocks.3``, ``block (call 2 of 4)``, ``blocks.0 (selective)``."""
-        text = self.path
-        if self.call is not None:
-            text += f" (call {self.call + 1} of {self.num_calls})"
-        return text + (" (selective)" if self.policy == "selective" else "")
+        """``blocks.3``, ``block (call 2 of 4)``, ``blocks.0 (selective)``, ``blocks.0 (op-sac)``."""
+        return self.where + (f" ({self.policy})" if self.policy != "full" else "")
+
+    @property
+    def where(self) -> str:
+        """The module and call, without the policy: ``blocks.3``, ``block (call 2 of 4)``."""
+        if self.call is None:
+            return self.path
+        return f"{self.path} (call {self.call + 1} of {self.num_calls})"
+
+    @property
+    def description(self) -> str:
+        """What the region keeps, in words."""
+        return OP_POLICIES[self.policy].description if self.policy in OP_POLICIES else "keep inputs only"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "policy": self.policy}
@@ -121,6 +212,9 @@ class Plan:
     extra_flops: int | None = None
     """FLOPs recomputed during backward (``FlopCounterMode``'s formulas, op by op, early stop included);
     ``None``: not known (a plan written by hand)."""
+    extra_other_flops: int | None = None
+    """The cost charged to the recomputed ops ``FlopCounterMode`` counts as 0 (one FLOP per element they
+    output, see :data:`~trainledger.remat.OTHER_OP_FLOPS_PER_ELEMENT`); ``None``: not known."""
     extra_seconds: float | None = None
     """Measured time of the recomputed forwards (median of repeated runs); ``None``: not measured."""
     solver: str = ""
@@ -228,7 +322,7 @@ class Plan:
         """
         from trainledger.remat._export import export_policy
 
-        export_policy(self, path, saved_op_names=SAVED_OP_NAMES, command=command)
+        export_policy(self, path, policies=OP_POLICIES, strided_ops=STRIDED_OPS, command=command)
 
     # --- JSON ---------------------------------------------------------------------------------------------
 
@@ -241,10 +335,16 @@ class Plan:
                 "model": self.model,
                 "fingerprint": self.fingerprint,
                 "regions": [r.to_dict() for r in self.regions],
+                "policies": {
+                    name: OP_POLICIES[name].to_dict()
+                    for name in sorted({r.policy for r in self.regions})
+                    if name in OP_POLICIES
+                },
                 "budget_bytes": self.budget_bytes,
                 "plain_peak_bytes": self.plain_peak_bytes,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "extra_flops": self.extra_flops,
+                "extra_other_flops": self.extra_other_flops,
                 "extra_seconds": self.extra_seconds,
                 "solver": self.solver,
                 "optimal": self.optimal,
@@ -270,6 +370,7 @@ class Plan:
                 plain_peak_bytes=data.get("plain_peak_bytes"),
                 predicted_peak_bytes=data.get("predicted_peak_bytes"),
                 extra_flops=None if data.get("extra_flops") is None else int(data["extra_flops"]),
+                extra_other_flops=None if data.get("extra_other_flops") is None else int(data["extra_other_flops"]),
                 extra_seconds=None if data.get("extra_seconds") is None else float(data["extra_seconds"]),
                 solver=data.get("solver", ""),
                 optimal=bool(data.get("optimal", False)),
@@ -310,11 +411,22 @@ def structure_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
+class _PolicyFn:
+    """An :class:`OpPolicy` as ``create_selective_checkpoint_contexts`` takes it, for one checkpointed call:
+    strided ops are counted separately in forward and in the recomputation (which sees the same ops)."""
 
-    name = str(getattr(op, "overloadpacket", op))
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_OP_NAMES else CheckpointPolicy.PREFER_RECOMPUTE
+    def __init__(self, policy: OpPolicy) -> None:
+        self.policy = policy
+        self.counts = {False: 0, True: 0}
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        name = str(getattr(op, "overloadpacket", op))
+        if name in STRIDED_OPS and name in self.policy.saved_ops:
+            self.counts[ctx.is_recompute] += 1
+        keep = self.policy.saves(name, self.counts[ctx.is_recompute])
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _context_fn(policy: Policy) -> Callable[[], Any] | None:
@@ -322,7 +434,8 @@ def _context_fn(policy: Policy) -> Callable[[], Any] | None:
         return None
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return functools.partial(create_selective_checkpoint_contexts, _policy_fn)
+    ops = OP_POLICIES[policy]
+    return lambda: create_selective_checkpoint_contexts(_PolicyFn(ops))
 
 
 @functools.cache

@@ -7,12 +7,14 @@ no plan meets raises :class:`InfeasibleBudget`, which states the floor and carri
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainledger.checks import one_of, positive_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger, LedgerSummary
+from trainledger.remat._baselines import Baseline, baseline_choices
 from trainledger.remat._budget import Budget
 from trainledger.remat._candidates import (
     COSTS,
@@ -116,6 +118,7 @@ class Planner:
             predicted_peak_bytes=predicted.peak().bytes,
             predicted=predicted,
             extra_flops=sum(c.flops for c in chosen),
+            extra_other_flops=sum(c.other_flops for c in chosen),
             extra_seconds=sum(c.seconds for c in chosen),
             solver=sol.solver,
             optimal=sol.optimal,
@@ -171,6 +174,21 @@ class Planner:
                 best=best,
             ) from None
         return self.to_plan(sol, budget_bytes=budget_bytes)
+
+    def baselines(
+        self, peak_of: Callable[[tuple[int, ...]], int] | None = None, *, timed: bool = True
+    ) -> tuple[Baseline, ...]:
+        """The named baselines (:mod:`~trainledger.remat._baselines`) with their predicted peaks: by
+        ``peak_of`` a choice of candidates (default: the linear model's, exact), ``timed=False`` on fake tensors."""
+        peak = peak_of or self.model.peak
+        return tuple(
+            replace(
+                b,
+                peak_bytes=None if b.choice is None else peak(b.choice),
+                extra_seconds=b.extra_seconds if timed else None,
+            )
+            for b in baseline_choices(self.candidates)
+        )
 
     def block_candidates(self) -> list[int]:
         """The full-policy candidate of each block of the repeated stacks (what uniform checkpointing wraps)."""
@@ -252,6 +270,12 @@ class PlanResult:
     """What running the plan showed, or ``None`` without ``verify``."""
     predicted: LedgerSummary | None = None
     """The figures of the plain step with the plan replayed on it (``plan.predicted.summary()``)."""
+    peak_by_evidence: dict[str, int] | None = None
+    """The predicted peak split by how each part is known (``traced`` storages, ``measured`` kernel
+    workspace, ``declared`` RNG states of the checkpoints, ...); ``None``: not known (a saved plan)."""
+    baselines: tuple[Baseline, ...] = ()
+    """The named baselines on the same step (no recomputation, full per block, Megatron selective, op-level
+    SAC per block), to set beside the plan."""
 
     def recomputed(self) -> tuple[tuple[Region, CandidateCost | None], ...]:
         """The plan's regions, each with its candidate's costs (``None``: not saved with the plan)."""
@@ -270,6 +294,8 @@ class PlanResult:
         out = {**(self.predicted.to_dict() if self.predicted is not None else {}), **self.plan.to_dict()}
         out["state_floor_bytes"] = self.state_floor_bytes
         out["candidates"] = [c.to_dict() for c in self.candidates]
+        out["baselines"] = [b.to_dict() for b in self.baselines]
+        out["peak_by_evidence"] = self.peak_by_evidence
         if self.verification is not None:
             if self.predicted is not None:
                 out["predicted"] = self.predicted.to_dict()
@@ -293,6 +319,8 @@ class PlanResult:
             state_floor_bytes=data.get("state_floor_bytes"),
             verification=verification,
             predicted=LedgerSummary.from_dict(predicted) if "peak" in predicted else None,
+            baselines=tuple(Baseline.from_dict(b) for b in data.get("baselines", ())),
+            peak_by_evidence=data.get("peak_by_evidence"),
         )
 
 
@@ -323,4 +351,23 @@ def plan_and_verify(
         verification = run_verify(workload, p)
     costs = candidate_costs(planner.candidates, planner.model)
     predicted = p.predicted.summary() if p.predicted is not None else None
-    return PlanResult(p, costs, planner.state_floor_bytes, verification, predicted)
+    by_evidence = peak_by_evidence(p.predicted) if p.predicted is not None else None
+    return PlanResult(p, costs, planner.state_floor_bytes, verification, predicted, by_evidence, planner.baselines())
+
+
+def peak_by_evidence(ledger: Ledger) -> dict[str, int]:
+    """The bytes live at ``ledger``'s peak instant, by evidence (they sum to the peak).
+
+    Example:
+        >>> from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
+        >>> e = Entry("a", Category.ACTIVATIONS, "saved", "float32", 4, 16, alloc_event=0, free_event=1,
+        ...           evidence=Evidence.TRACED)
+        >>> peak_by_evidence(Ledger((e,), (Event(0, "forward", "aten.mm", ""),)))
+        {'traced': 16}
+    """
+    event = ledger.peak().event
+    entries = ledger.entries if event is None else ledger.live_at(event)
+    out: dict[str, int] = {}
+    for e in entries:
+        out[str(e.evidence)] = out.get(str(e.evidence), 0) + e.nbytes
+    return out

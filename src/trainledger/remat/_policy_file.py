@@ -2,8 +2,10 @@
 
 ``apply`` wraps the ``forward`` of each module in ``REGIONS`` in non-reentrant
 ``torch.utils.checkpoint.checkpoint`` (RNG state preserved, so dropout draws the same masks when
-recomputed). A ``selective`` region keeps the outputs of the ops in ``SAVED_OP_NAMES`` (matmuls,
-convolutions, attention) and recomputes the rest (``create_selective_checkpoint_contexts(policy_fn)``).
+recomputed). A region whose policy is not ``full`` keeps the outputs of the op types its entry in
+``POLICIES`` names and recomputes the rest (``create_selective_checkpoint_contexts``); with a matmul stride
+``k`` > 1, every ``k``-th of its saved matmuls and convolutions (counted from 1 in each call) is recomputed
+too, as in torchtitan's op-level SAC.
 A region with a call number checkpoints only that call of a module run several times per step (counted
 from 0 in each forward of the model). A region that lists buffers recomputes on a copy of them as they
 were before the call, so in-place updates (a BatchNorm's running statistics) happen once per call.
@@ -28,22 +30,39 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 # (module path, policy, call (None: every call), calls of the module per step, buffers restored)
 REGIONS: list[tuple[str, str, int | None, int, tuple[str, ...]]] = []  # the plan's regions
 
-# Ops whose outputs a selective region keeps; everything else is recomputed during backward.
-SAVED_OP_NAMES: frozenset[str] = frozenset()  # the plan's saved ops
+# Per op-level policy: (op types whose outputs are kept, matmul stride); everything else is recomputed.
+POLICIES: dict[str, tuple[frozenset[str], int]] = {}  # the plan's policies
+
+# The ops a matmul stride counts.
+STRIDED_OPS: frozenset[str] = frozenset()  # matrix products
 
 _STATE = "_remat_policy_state"
 _HOOK = "_remat_policy_hook"
 
 
-def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective policy, in the form ``create_selective_checkpoint_contexts`` takes."""
-    name = str(getattr(op, "overloadpacket", op))
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_OP_NAMES else CheckpointPolicy.PREFER_RECOMPUTE
+def policy_fn(policy: str) -> Any:
+    """The policy named ``policy`` for one checkpointed call, in the form
+    ``create_selective_checkpoint_contexts`` takes; strided ops are counted apart in forward and in the
+    recomputation (which sees the same ops in the same order)."""
+    saved, stride = POLICIES[policy]
+    counts = {False: 0, True: 0}
+
+    def fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = str(getattr(op, "overloadpacket", op))
+        if name not in saved:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if name in STRIDED_OPS:
+            counts[ctx.is_recompute] += 1
+            if stride > 1 and counts[ctx.is_recompute] % stride == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return fn
 
 
-def context_fn() -> Any:
-    """``context_fn`` for ``checkpoint(..., context_fn=context_fn)`` in a selective region."""
-    return create_selective_checkpoint_contexts(policy_fn)
+def context_fn(policy: str) -> Any:
+    """``context_fn`` for ``checkpoint(..., context_fn=functools.partial(context_fn, policy))``."""
+    return create_selective_checkpoint_contexts(policy_fn(policy))
 
 
 # Newer torch asks whether a selective region's saved tensors go through saved-tensor hooks; every torch
@@ -112,7 +131,7 @@ def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple])
             return inner(*args, **kwargs)
         _path, policy, _call, _num_calls, restore = region
         fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
-        extra = {} if policy == "full" else {"context_fn": context_fn, **_SAC_EXTRA}
+        extra = {} if policy == "full" else {"context_fn": functools.partial(context_fn, policy), **_SAC_EXTRA}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     module.__dict__[_STATE] = state

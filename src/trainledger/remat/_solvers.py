@@ -249,25 +249,29 @@ def min_peak(model: LinearModel, *, time_limit_s: float = 20.0) -> tuple[int, tu
     """The lowest peak any compatible plan reaches, and the cheapest such plan (MILP: min t, then min cost)."""
     from scipy.optimize import Bounds, LinearConstraint
 
-    n, p = model.num_candidates, len(model.base)
+    n = model.num_candidates
     if n == 0:
         return int(model.base.max()), ()
+    d, base = _peak_rows(model)
     # variables: c_0..c_{n-1}, t.  delta^T c - t <= -base
-    a = np.hstack([model.delta.T.astype(float), -np.ones((p, 1))])
-    constraints = [LinearConstraint(a, -np.inf, -model.base.astype(float))]
+    a = np.hstack([d.astype(float), -np.ones((len(d), 1))])
+    constraints = [LinearConstraint(a, -np.inf, -base.astype(float))]
     conflict = _conflict_rows(model)
     if conflict is not None:
         constraints.append(LinearConstraint(np.hstack([conflict, np.zeros((len(conflict), 1))]), 0, 1))
     obj = np.zeros(n + 1)
     obj[-1] = 1.0
     bounds = Bounds(np.zeros(n + 1), np.r_[np.ones(n), np.inf])
-    res = _milp(
-        obj,
-        constraints=constraints,
-        integrality=np.r_[np.ones(n), 0],
-        bounds=bounds,
-        options={"time_limit": float(time_limit_s)},
-    )
+    for limit in (time_limit_s, 4 * time_limit_s):  # (a busy machine gives HiGHS little of the wall time)
+        res = _milp(
+            obj,
+            constraints=constraints,
+            integrality=np.r_[np.ones(n), 0],
+            bounds=bounds,
+            options={"time_limit": float(limit)},
+        )
+        if res.x is not None:
+            break
     assert res.x is not None, res.message
     choice = tuple(int(j) for j in np.flatnonzero(np.round(res.x[:n]) > 0.5))
     floor = model.peak(choice)
@@ -276,6 +280,23 @@ def min_peak(model: LinearModel, *, time_limit_s: float = 20.0) -> tuple[int, tu
         return floor, best.choice
     except NoPlan:
         return floor, choice
+
+
+def _peak_rows(model: LinearModel) -> tuple[np.ndarray, np.ndarray]:
+    """The points that can set the lowest peak: each point is at least ``base + Σ min(delta, 0)`` under any
+    plan, so the largest of those bounds the peak from below, and a point that stays below it whatever is
+    recomputed (``base + Σ max(delta, 0)``) never binds; of identical rows the one with the highest base."""
+    d = model.delta.T  # (points, candidates)
+    lower = (model.base + np.minimum(d, 0).sum(axis=1)).max()
+    keep = model.base + np.maximum(d, 0).sum(axis=1) >= lower
+    d, base = d[keep], model.base[keep]
+    keyed: dict[bytes, int] = {}
+    for i, row in enumerate(d):
+        k = row.tobytes()
+        if k not in keyed or base[i] > base[keyed[k]]:
+            keyed[k] = i
+    rows = sorted(keyed.values())
+    return d[rows], base[rows]
 
 
 # --- the chain DP ------------------------------------------------------------------------------------
@@ -291,7 +312,8 @@ def _is_chain(model: LinearModel) -> bool:
 
 
 def chain_savings(model: LinearModel) -> list[list[int]]:
-    """Per position and option, the constant bytes the option saves between its forward and backward.
+    """Per position and option, the constant bytes the option saves between its forward and backward
+    (negative where the checkpoint holds more than the option frees: its RNG state, say).
 
     Raises ``ValueError`` when the model is not a chain in the DP's sense (an option changes memory
     outside its span by anything other than a constant saving, or before its forward).
@@ -310,7 +332,7 @@ def chain_savings(model: LinearModel) -> list[list[int]]:
             if np.any(d[free] != 0):
                 raise ValueError(f"position {k}: option {opt} changes memory outside its lifetime")
             vals = np.unique(d[held])
-            if len(vals) > 1 or (len(vals) == 1 and vals[0] > 0):
+            if len(vals) > 1:  # (a negative saving is allowed: an option whose checkpoint holds more than it frees)
                 raise ValueError(f"position {k}: option {opt} does not save a constant amount")
             row.append(int(-vals[0]) if len(vals) else 0)
         out.append(row)

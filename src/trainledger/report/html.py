@@ -413,8 +413,8 @@ def _plan(data: dict[str, Any], result: Any) -> None:
             if c is not None
             else (None, None, None, None)
         )
-        policy = "keep inputs only" if r.policy == "full" else "keep matmul outputs"
-        rows.append((r.label.removesuffix(" (selective)"), policy, *figures))
+        policy = r.description
+        rows.append((r.where, policy, *figures))
     data["tables"].append(_table("regions recomputed (non-reentrant torch.utils.checkpoint)", columns, rows))
     data["notes"] = list(p.notes)
 

@@ -256,7 +256,7 @@ def plot_pareto(
     seconds = result.cost == "seconds"
 
     def x(p: Point) -> float:
-        return p.extra_seconds * 1e3 if seconds else p.extra_flops / 1e9
+        return p.extra_seconds * 1e3 if seconds else (p.extra_flops + p.extra_other_flops) / 1e9
 
     series = {
         "ours (DP / MILP)": [r.ours for r in result.rows if r.ours],
@@ -270,6 +270,10 @@ def plot_pareto(
     for p, marker in ((result.uniform, "D"), (result.sqrt_n, "^")):
         label = "uniform per-block" if p.method == "uniform" else "Chen √n"
         ax.plot([x(p)], [p.peak_bytes / mib], marker, markersize=9, label=label)
+    for b, marker in zip(result.baselines, "PXh*", strict=False):
+        if b.peak_bytes is not None and b.name != "full":  # (full per block is the uniform point above)
+            bx = (b.extra_seconds or 0.0) * 1e3 if seconds else b.cost_flops / 1e9
+            ax.plot([bx], [b.peak_bytes / mib], marker, markersize=9, label=b.label)
     sac = result.extra.get("torch_sac_ilp", {}).get("points")
     if sac:
         ax.plot(
