@@ -248,7 +248,7 @@ class StepTracer(TorchDispatchMode):
                     self.writes.append((index, rec))
         out = func(*args, **kwargs)
         if info.allocates or _NO_STORAGE:
-            if isinstance(out, _Tensor) and not _NO_STORAGE and phase != "optimizer":
+            if isinstance(out, _Tensor) and not _NO_STORAGE and not (info.foreach and phase == "optimizer"):
                 if out.layout is _STRIDED and _storage_address(out) not in storages:
                     self._track(out, out.untyped_storage(), f"{op}#{index}", None, "", index, module)
             else:
@@ -315,7 +315,7 @@ class StepTracer(TorchDispatchMode):
     def _output_owners(self, op: str, args: tuple[Any, ...], module: str, num_outputs: int) -> list[str]:
         """Owner of each output: the event's module, or in the optimizer step the parameter each output
         is for (a foreach op's ``j``-th output is for its first list's ``j``-th tensor)."""
-        if self.phase != "optimizer" or not op.startswith("aten._foreach_") or not args:
+        if self.phase != "optimizer" or not op.startswith(_FOREACH) or not args:
             return [module] * num_outputs
         first = args[0] if isinstance(args[0], (list, tuple)) else ()
         return [self._parameter(first[j]) if j < len(first) else "" for j in range(num_outputs)]
@@ -476,6 +476,7 @@ def _itemsize(dtype: str) -> int:
 
 
 _ADD = torch.ops.aten.add.Tensor
+_FOREACH = "aten._foreach_"
 # Dispatched but not work on tensors: metadata queries (prim.device) and profiler annotations
 # (``record_function`` inside ``optimizer.step`` and ``zero_grad``).
 _NOT_OPS = frozenset({"prim", "profiler"})
@@ -529,6 +530,9 @@ class _OpInfo:
     """Whether an output can have a storage not seen before (see ``_may_allocate``)."""
     accumulation: bool
     """``aten.add.Tensor``, which may be autograd accumulating two gradients (see ``_fold_accumulations``)."""
+    foreach: bool
+    """An ``aten._foreach_`` op: in the optimizer step, its ``j``-th output is for its first list's ``j``-th
+    tensor's parameter (see ``_output_owners``); any other op's outputs are for the event's parameter."""
 
 
 _OPS: dict[int, _OpInfo | None] = {}  # per op overload's id; None for what is not work on tensors
@@ -558,6 +562,7 @@ def _op_info(func: Any) -> _OpInfo | None:
             and all(str(a.type) in _SINGLE_TENSOR or "Tensor" not in str(a.type) for a in arguments),
             allocates=returns is None or _may_allocate(schema),
             accumulation=func is _ADD,
+            foreach=name.startswith(_FOREACH),
         )
     _OPS[id(func)] = info
     _OP_OBJECTS.append(func)
