@@ -234,6 +234,36 @@ def test_gradients_and_optimizer_state_are_named():
     assert {e.role for e in led.select(category=Category.OPTIMIZER)} == {"momentum_buffer"}
 
 
+class _FreshStateSGD(torch.optim.SGD):
+    """SGD that replaces a state tensor with a new one every step (a steady-state step creates state)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["average"] = p.detach().clone()
+        return loss
+
+
+def test_state_an_optimizer_creates_in_the_step_is_named():
+    # A steady-state step usually creates no optimizer state, and the tracer then skips naming it; state
+    # made anew in the traced step must still be named, with the bytes and the parameter it is for.
+    w = examples.mlp()
+    w.optimizer = lambda params: _FreshStateSGD(params, lr=0.1)
+    led = trace(w)
+    made = [e for e in led.select(category=Category.OPTIMIZER) if e.role == "average" and e.alloc_event is not None]
+    params = dict(w.model.named_parameters())
+    assert sorted(e.name for e in made) == sorted(f"optimizer.{n}.average" for n in params)
+    assert all(led.events[e.alloc_event].phase == "optimizer" for e in made)
+    assert {e.name: e.nbytes for e in made} == {f"optimizer.{n}.average": p.numel() * 4 for n, p in params.items()}
+    assert not [
+        e
+        for e in led.entries
+        if e.category == Category.WORKSPACE and e.role == "optimizer_temporary" and e.free_event is None
+    ]
+
+
 def test_gradient_accumulation_is_modelled_in_place():
     # x feeds two matmuls: the engine adds the two input-gradients in place when untraced.
     class Two(nn.Module):

@@ -401,13 +401,17 @@ def _trace(
     for i, t in enumerate(iter_tensors(workload.batch)):
         tracer.known(t, f"batch[{i}]", Category.INPUTS, "batch")
 
+    # listed once: a walk of the model's modules costs more than a phase's marking itself
+    named = list(model.named_parameters())
+    parameters = [p for _, p in named]
+
     def on_phase(phase: str) -> None:
         if phase == "optimizer":  # gradients exist now: name them before the optimizer runs
-            for name, p in model.named_parameters():
+            for name, p in named:
                 if p.grad is not None:
                     tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{name}.grad")
         elif phase in ("zero_grad", "end"):  # masters' gradients and any state the step created
-            mark_optimizer_outputs(tracer, model, optimizer)
+            mark_optimizer_outputs(tracer, model, optimizer, parameters=parameters)
         if phase != "end":
             tracer.phase = phase
         if kernels is not None:
@@ -500,11 +504,40 @@ def _elsewhere_note(names: list[str]) -> tuple[str, ...]:
     )
 
 
-def mark_optimizer_outputs(tracer: StepTracer, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Name the gradients and optimizer state a step created (lazily made moments, masters' gradients)."""
+def mark_optimizer_outputs(
+    tracer: StepTracer,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    parameters: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Name the gradients and optimizer state a step created (lazily made moments, masters' gradients).
+
+    With ``parameters`` (the model's, listed once by the caller), a step that created none — every
+    gradient and state tensor already named, as in a steady-state step — costs no walk of the model's
+    modules: the names ``iter_state`` gives are only needed for a storage still unnamed.
+    """
+    if parameters is not None and not tracer.any_unnamed(_gradients_and_state(parameters, optimizer)):
+        return
     for t, owner in iter_state(model, optimizer):
         if owner.category in (Category.OPTIMIZER, Category.GRADIENTS):
             tracer.mark(t, owner.category, owner.role, owner.name)
+
+
+def _gradients_and_state(
+    parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+) -> Iterator[torch.Tensor]:
+    """Every tensor ``iter_state`` may name a gradient or optimizer state: the parameters' gradients, the
+    optimizer's parameters (master copies) and their gradients, and its state tensors."""
+    for p in parameters:
+        if p.grad is not None:
+            yield p.grad
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            yield p
+            if p.grad is not None:
+                yield p.grad
+            yield from (v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
 
 
 @contextlib.contextmanager

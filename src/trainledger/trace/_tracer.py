@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ class _Storage:
     last_use_event: int | None = None
     aliases: list[str] = field(default_factory=list)
     merged_into: _Storage | None = None  # an accumulation the engine would have done in place
+    parameter: str | None = None  # _parameter_of(self), kept until ``mark`` renames the storage
 
 
 @dataclass(slots=True)
@@ -151,7 +152,6 @@ class StepTracer(TorchDispatchMode):
         name: str,
         category: Category | None,
         role: str,
-        *,
         alloc_event: int | None,
         owner: str,
     ) -> _Storage:
@@ -214,44 +214,43 @@ class StepTracer(TorchDispatchMode):
     # --- the dispatch hook -------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        # Runs for every op of the step: what an op overload needs is read from its schema once (_OpInfo),
-        # and each tensor's storage is looked up once.
-        info = _OPS.get(func, _UNSEEN)
+        # Runs for every op of the step: what an op overload needs is read from its schema once (_OpInfo,
+        # found by the overload's id: hashing an OpOverload runs a Python ``__hash__``), each tensor's
+        # storage is looked up once, and the common cases (tensors passed flat, one tensor returned) take
+        # no helper call.
+        info = _OPS.get(id(func), _UNSEEN)
         if info is _UNSEEN:
             info = _op_info(func)
         if info is None:  # not work on tensors: a metadata query, a profiler annotation
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         op = info.name
-        index = len(self.ops)
+        ops = self.ops
+        index = len(ops)
         phase = self.phase
         forward = phase == "forward"
-        inputs = _flat_tensors(args, kwargs) if info.flat else _tensors(args, kwargs)
+        if not info.flat:
+            inputs = _tensors(args, kwargs)
+        else:
+            inputs = [a for a in args if isinstance(a, _Tensor)]
+            if kwargs:
+                inputs += [v for v in kwargs.values() if isinstance(v, _Tensor)]
         if forward:
             module, call = self.scopes.forward_scope()
         else:
             module, call = self.scopes.backward_scope()
             if phase == "optimizer":  # the parameter this op updates, when it is one
                 module = self._updated_parameter(inputs)
-        self.ops.append((phase, op, module))
+        ops.append((phase, op, module))
         self.event_calls.append(call)
         if info.probed:
             kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
             self.kernel_calls.append((index, op, module, kernel))
         storages = self.storages
         for t in inputs:
-            if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
-                if _storage_address(t) not in storages:
-                    # existed before the step without being declared: captured in a closure, RNG state…
-                    self._track(
-                        t,
-                        t.untyped_storage(),
-                        f"captured:{op}#{index}",
-                        Category.OTHER,
-                        "captured",
-                        alloc_event=None,
-                        owner=module,
-                    )
+            if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE) and _storage_address(t) not in storages:
+                # existed before the step without being declared: captured in a closure, RNG state…
+                self._track(t, t.untyped_storage(), f"captured:{op}#{index}", Category.OTHER, "captured", None, module)
         if forward and info.written:
             for t in _written(info.written, args, kwargs):
                 rec = storages.get(storage_key(t)) if _has_storage(t) else None
@@ -263,7 +262,11 @@ class StepTracer(TorchDispatchMode):
             if substitute is not None:
                 out = substitute(out)
         if info.allocates or _NO_STORAGE:
-            self._outputs(op, index, module, args, out)
+            if isinstance(out, _Tensor) and not _NO_STORAGE and not (info.foreach and phase == "optimizer"):
+                if out.layout is _STRIDED and _storage_address(out) not in storages:
+                    self._track(out, out.untyped_storage(), f"{op}#{index}", None, "", index, module)
+            else:
+                self._outputs(op, index, module, args, out)
         if self.fake and info.real_storage:
             kernel = KernelCall.of(func, args, kwargs)
             if kernel is not None:
@@ -295,7 +298,7 @@ class StepTracer(TorchDispatchMode):
                 t = t._local_tensor  # type: ignore[attr-defined]
             if t.layout is _STRIDED and _storage_address(t) not in storages:
                 owner = module if owners is None else owners[j]
-                self._track(t, t.untyped_storage(), f"{op}#{index}", None, "", alloc_event=index, owner=owner)
+                self._track(t, t.untyped_storage(), f"{op}#{index}", None, "", index, owner)
 
     # --- the optimizer step, parameter by parameter ---------------------------------------------------
 
@@ -305,18 +308,28 @@ class StepTracer(TorchDispatchMode):
         if isinstance(t, _NO_STORAGE):
             t = t._local_tensor  # type: ignore[attr-defined]
         rec = self.storages.get(_storage_address(t)) if t.layout is _STRIDED else None
-        return "" if rec is None else _parameter_of(rec)
+        if rec is None:
+            return ""
+        name = rec.parameter
+        if name is None:  # asked for every op of the optimizer step: string work once per storage
+            name = rec.parameter = _parameter_of(rec)
+        return name
 
     def _updated_parameter(self, inputs: list[torch.Tensor]) -> str:
         """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op)."""
-        names = {self._parameter(t) for t in inputs}
-        names.discard("")
-        return names.pop() if len(names) == 1 else ""
+        found = ""
+        for t in inputs:
+            name = self._parameter(t)
+            if name and name != found:
+                if found:
+                    return ""
+                found = name
+        return found
 
     def _output_owners(self, op: str, args: tuple[Any, ...], module: str, num_outputs: int) -> list[str]:
         """Owner of each output: the event's module, or in the optimizer step the parameter each output
         is for (a foreach op's ``j``-th output is for its first list's ``j``-th tensor)."""
-        if self.phase != "optimizer" or not op.startswith("aten._foreach_") or not args:
+        if self.phase != "optimizer" or not op.startswith(_FOREACH) or not args:
             return [module] * num_outputs
         first = args[0] if isinstance(args[0], (list, tuple)) else ()
         return [self._parameter(first[j]) if j < len(first) else "" for j in range(num_outputs)]
@@ -324,14 +337,14 @@ class StepTracer(TorchDispatchMode):
     # --- saved tensors -------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if _has_storage(t):
+        if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
             rec = self.storages.get(_storage_address(t))
             if rec is not None:
                 rec.saved = True
         return t
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        if _has_storage(t):
+        if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
             rec = self.storages.get(_storage_address(t))
             if rec is not None:
                 rec.last_use_event = len(self.ops) - 1 if self.ops else 0
@@ -344,6 +357,17 @@ class StepTracer(TorchDispatchMode):
         rec = self.storages.get(storage_key(local_tensor(t)))
         if rec is not None and rec.category is None:
             rec.category, rec.role, rec.name = category, role, name
+            rec.parameter = None
+
+    def any_unnamed(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` uses a storage allocated during the step and not named yet (one
+        ``mark`` would name)."""
+        storages = self.storages
+        for t in tensors:
+            rec = storages.get(storage_key(local_tensor(t)))
+            if rec is not None and rec.category is None:
+                return True
+        return False
 
     def stop(self) -> None:
         """Stop listening for frees; storages still alive outlive the step."""
@@ -467,6 +491,7 @@ def _itemsize(dtype: str) -> int:
 
 
 _ADD = torch.ops.aten.add.Tensor
+_FOREACH = "aten._foreach_"
 # Dispatched but not work on tensors: metadata queries (prim.device) and profiler annotations
 # (``record_function`` inside ``optimizer.step`` and ``zero_grad``).
 _NOT_OPS = frozenset({"prim", "profiler"})
@@ -503,14 +528,6 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
     return found
 
 
-def _flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors among arguments that hold no lists of tensors (the schema says so: see ``_OpInfo.flat``)."""
-    found = [a for a in args if isinstance(a, torch.Tensor)]
-    if kwargs:
-        found += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    return found
-
-
 @dataclass(frozen=True, slots=True)
 class _OpInfo:
     """What the tracer needs to know about one op overload, read from its schema once."""
@@ -528,9 +545,13 @@ class _OpInfo:
     """Whether an output can have a storage not seen before (see ``_may_allocate``)."""
     accumulation: bool
     """``aten.add.Tensor``, which may be autograd accumulating two gradients (see ``_fold_accumulations``)."""
+    foreach: bool
+    """An ``aten._foreach_`` op: in the optimizer step, its ``j``-th output is for its first list's ``j``-th
+    tensor's parameter (see ``_output_owners``); any other op's outputs are for the event's parameter."""
 
 
-_OPS: dict[Any, _OpInfo | None] = {}  # per op overload; None for what is not work on tensors
+_OPS: dict[int, _OpInfo | None] = {}  # per op overload's id; None for what is not work on tensors
+_OP_OBJECTS: list[Any] = []  # the overloads ``_OPS`` holds ids of, kept alive so that no id is reused
 _UNSEEN = object()
 
 
@@ -556,8 +577,10 @@ def _op_info(func: Any) -> _OpInfo | None:
             and all(str(a.type) in _SINGLE_TENSOR or "Tensor" not in str(a.type) for a in arguments),
             allocates=returns is None or _may_allocate(schema),
             accumulation=func is _ADD,
+            foreach=name.startswith(_FOREACH),
         )
-    _OPS[func] = info
+    _OPS[id(func)] = info
+    _OP_OBJECTS.append(func)
     return info
 
 
@@ -614,6 +637,7 @@ def _dtensor_types() -> tuple[type, ...]:
 
 
 _STRIDED = torch.strided
+_Tensor = torch.Tensor
 # The storage's identity, as ``storage_key`` (``untyped_storage()._cdata``) gives it, without making the
 # Python storage object: half the cost, for every tensor of every op.
 _storage_address = torch._C._storage_address
