@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainledger.analytic import FitOptions, Setup, fit, with_traced_peaks
-from trainledger.commands.fit import trace_top
+from trainledger.commands.fit import _untraceable, trace_top
 from trainledger.hf import workload_from_setup
 from trainledger.shard import ShardConfig, shard
 from trainledger.trace import trace
@@ -65,6 +65,14 @@ def test_traced_and_analytic_columns_agree_within_1_percent_under_the_cuda_kind(
         assert c.traced_peak_bytes == pytest.approx(c.peak_bytes, rel=0.01), (c.key, c.peak_bytes)
     card = "A100-80GB" if gpu else "H100-80GB-SXM"
     assert f"cuda kernels as on {card}" in r.notes[0]
+
+
+def test_recomputation_rows_are_not_traced_with_cuda_kernels_and_say_why():
+    """A CUDA-kind trace cannot recompute a checkpointed region yet (CUDA's SDPA and dropout are substituted by a
+    function mode, which the autograd engine's recomputation does not see); with cpu kernels it can."""
+    assert "recomputation rows under cuda kernels" in (_untraceable(replace(BASE, remat="full")) or "")
+    assert _untraceable(replace(BASE, remat="full", device="cpu")) is None
+    assert _untraceable(BASE) is None
 
 
 @pytest.mark.slow
