@@ -138,11 +138,6 @@ def _untraceable(setup: Setup) -> str | None:
         return "not traced: a traced step runs on one device; tensor and pipeline parallelism are analytic only"
     if setup.remat == "selective":
         return "not traced: selective recomputation is the analytic model's alone"
-    if setup.remat != "none" and setup.device == "cuda":
-        return (
-            "not traced: recomputation rows under cuda kernels (a checkpointed region is recomputed inside the "
-            "autograd engine, where CUDA's SDPA and dropout are not substituted yet); analytic only"
-        )
     return None
 
 
