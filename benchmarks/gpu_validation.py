@@ -3,12 +3,19 @@
 For each of eight workloads (a ~1B Llama-style model in bf16 at 2048 tokens, BERT-base, a U-Net, LoRA, DPO
 with a frozen reference, a mixture of experts, a rematerialization plan applied, an FSDP2 step on one GPU):
 
-(a) the prediction made without the GPU: the step traced on fake tensors on the CPU (cpu kernels), and the
-    analytic estimate (cuda kernels) where the workload is a Hugging Face architecture it covers;
+(a) the prediction made without the GPU: the CUDA-kind trace (``trace(..., kernel_kind="cuda")``: CUDA's
+    kernels substituted on fake CPU tensors, for the card the kit runs on: ``torch.cuda.get_device_name``
+    looked up in the device table, an H100 where it is not there), and the analytic estimate (cuda kernels,
+    the same card) where the workload is a Hugging Face architecture it covers; beside them the CPU fake trace
+    (cpu kernels), which shows how much the CUDA substitutions move the prediction;
 (b) the step traced on the GPU (real CUDA tensors, cuda kernels);
 (c) ``torch.cuda.max_memory_allocated()`` over one step (trainledger.measure);
 (d) the caching allocator model's reserved peak, replayed from (a) and from (b), against
     ``torch.cuda.max_memory_reserved()``.
+
+The Hugging Face workloads are traced 3 and 4 layers deep and extended to their depth (``trace_stacked``, exact
+against the traces of both depths), so that the two traces made without the GPU cost less than one of every
+layer. A step whose shapes depend on data cannot run on fake tensors: its (a) cell says so.
 
 Each workload's GPU part runs in a fresh process, so that one step's allocator cache does not carry into
 the next. The table is written to ``benchmarks/results/gpu_validation.md`` (and ``.json``).
@@ -18,9 +25,9 @@ Run from the repository root on a machine with one CUDA GPU (about 5 minutes on 
     python -m benchmarks.gpu_validation            # the full kit; without CUDA: "skipped: no CUDA device"
     python -m benchmarks.gpu_validation --dry      # every part but the GPU's, each workload at reduced size
 
-``--dry`` builds every workload (small), makes every prediction and runs the allocator model on the CPU, runs
-each step's device part on the CPU (so the code that measures runs), and writes the table with the GPU
-columns marked "not run". Until the full kit has run on a GPU, trainledger's CUDA figures are unvalidated.
+``--dry`` builds every workload (small), makes every prediction (the CUDA-kind trace, for an H100, included) and
+runs the allocator model on the CPU, runs each step's device part on the CPU (so the code that measures runs),
+and writes the table with the GPU columns marked "not run". Until the full kit has run on a GPU, trainledger's CUDA figures are unvalidated.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,8 @@ import torch
 
 from trainledger.allocator import predict_reserved
 from trainledger.analytic import Setup, estimate
+from trainledger.devices import DEFAULT_CUDA_DEVICE, Device, lookup
+from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.workload import Workload
 
@@ -171,34 +180,65 @@ CASE_BY_NAME = {c.name: c for c in CASES}
 # --- (a) the prediction, made on the CPU ----------------------------------------------------------------------
 
 
-def predict(case: Case, dry: bool) -> tuple[dict[str, Any], Any]:
-    """Every figure made without a GPU, and the plan to apply (``plan`` cases; else ``None``)."""
-    from trainledger.errors import InputError
-    from trainledger.trace import trace
+def card_of(torch_name: str | None) -> Device:
+    """The device table's card that ``torch.cuda.get_device_name`` calls ``torch_name`` (``NVIDIA H200``,
+    ``NVIDIA H100 80GB HBM3``, ``NVIDIA A100-SXM4-80GB``, ``Tesla V100-SXM2-32GB``); the H100 the CUDA kind
+    assumes when it is not listed there, or with no name (a dry run)."""
+    name = (torch_name or "").strip()
+    for vendor in ("NVIDIA ", "Tesla "):
+        name = name.removeprefix(vendor)
+    try:
+        return lookup(name) if name else lookup(DEFAULT_CUDA_DEVICE)
+    except InputError:
+        return lookup(DEFAULT_CUDA_DEVICE)
 
-    out: dict[str, Any] = {}
+
+def predict(case: Case, dry: bool, card: Device) -> tuple[dict[str, Any], Any]:
+    """Every figure made without a GPU for ``card``, and the plan to apply (``plan`` cases; else ``None``):
+    the CUDA-kind trace (``cuda_*``), the CPU fake trace (``fake_*``), the analytic estimate (``analytic_*``)."""
+    out: dict[str, Any] = {"card": card.name}
     if case.hf is not None:
         config, setup = case.hf(dry)
-        led = estimate(config, setup).ledger
+        led = estimate(config, replace(setup, gpu=card.name)).ledger
         out["analytic_peak"] = led.peak().bytes
         out["analytic_reserved"] = predict_reserved(led, kernel_kind="cuda").max_reserved_bytes
-    plan = None
-    try:
-        workload = case.build(dry, case.hf is not None)
+    workload, plan = None, None
+    if case.hf is None:  # a Hugging Face step is built at each depth it is traced at
+        workload = case.build(dry, False)
         if case.kind == "plan":
             from trainledger import remat
 
             plan = remat.plan(workload, "60%")
             plan.apply(workload.model)
             out["plan_predicted_peak"] = plan.predicted_peak_bytes
-        # the CPU kernels' own buffers (oneDNN) are not the CUDA step's: tensor storages only
-        ledger = _as_run(case, trace(workload, fake=True, kernel_workspace=False))
-    except InputError as exc:  # a step the fake trace cannot take (data-dependent shapes)
-        out["fake_error"] = " ".join(str(exc).split())[:120]
-        return out, plan
-    out["fake_peak"] = ledger.peak().bytes
-    out["fake_reserved"] = predict_reserved(ledger, kernel_kind="cpu").max_reserved_bytes
+    for kind, key in (("cuda", "cuda"), ("cpu", "fake")):
+        try:
+            ledger = _as_run(case, _predicted(case, dry, workload, kind, card))
+        except InputError as exc:  # a step fake tensors cannot take (data-dependent shapes)
+            out[f"{key}_error"] = " ".join(str(exc).split())[:120]
+            continue
+        out[f"{key}_peak"] = ledger.peak().bytes
+        out[f"{key}_reserved"] = predict_reserved(ledger, kernel_kind=kind).max_reserved_bytes
     return out, plan
+
+
+def _predicted(case: Case, dry: bool, workload: Workload | None, kind: str, card: Device) -> Ledger:
+    """The step traced on fake tensors with ``kind`` kernels (tensor storages only: the CPU kernels' own
+    buffers are not the CUDA step's); a Hugging Face step 3 and 4 layers deep, extended to its depth."""
+    from trainledger.trace import trace, trace_stacked
+
+    kinds: dict[str, Any] = {"kernel_kind": kind, "cuda_device": card if kind == "cuda" else None}
+    if workload is not None:
+        return trace(workload, fake=True, kernel_workspace=False, **kinds)
+    assert case.hf is not None
+    from trainledger.hf import workload_from_setup
+
+    config, setup = case.hf(dry)
+
+    def build(depth: int) -> Workload:
+        return workload_from_setup({**config, "num_hidden_layers": depth}, setup, fake=True)
+
+    return trace_stacked(build, config["num_hidden_layers"], kernel_workspace=False, **kinds)
 
 
 def _as_run(case: Case, ledger: Ledger) -> Ledger:
@@ -284,9 +324,9 @@ def run_case(case: Case, *, dry: bool) -> dict[str, Any]:
     """One workload: the prediction on the CPU, then the step on the GPU (on the CPU with ``dry``)."""
     start = time.perf_counter()
     row: dict[str, Any] = {"name": case.name, "what": case.what}
-    predicted, plan = predict(case, dry)
-    row.update(predicted)
     device = "cpu" if dry else "cuda"
+    predicted, plan = predict(case, dry, card_of(None if dry else torch.cuda.get_device_name(0)))
+    row.update(predicted)
     measured = _without_leftover_group(lambda: on_device(case, dry, device, plan))
     row.update(measured if not dry else {"dry_" + k: v for k, v in measured.items()})
     row["seconds"] = time.perf_counter() - start
@@ -311,37 +351,47 @@ def _error(predicted: Any, actual: Any) -> str:
 
 COLUMNS = (
     "workload",
-    "(a) analytic peak, cuda kernels",
-    "(a) fake trace peak, cpu kernels",
+    "(a) CUDA-kind trace peak",
+    "(a) analytic peak",
+    "CPU fake trace peak (cpu kernels)",
     "(b) CUDA trace peak",
     "(c) max_memory_allocated",
     "(a) vs (c)",
+    "CPU fake vs (c)",
     "(d) model reserved from (a)",
     "(d) model reserved from (b)",
     "(d) max_memory_reserved",
+    "(d) from (a) vs real",
     "(d) from (b) vs real",
 )
 
 
 def table(rows: list[dict[str, Any]], *, dry: bool) -> str:
-    """The Markdown table (GiB, 2^30 bytes; MiB in a dry run): GPU columns say "not run" in a dry run."""
+    """The Markdown table (GiB, 2^30 bytes; MiB in a dry run): GPU columns say "not run" in a dry run; a
+    prediction that could not be made says why in its cell."""
     shift = 20 if dry else 30
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        a = r.get("fake_peak", r.get("fake_error", "n/a"))
-        reserved_a = r.get("fake_reserved", r.get("analytic_reserved", "n/a"))
+        a = r.get("cuda_peak", r.get("cuda_error", "n/a"))
+        cpu = r.get("fake_peak", r.get("fake_error", "n/a"))
+        reserved_a = r.get("cuda_reserved", r.get("cuda_error", "n/a"))
         gpu = {k: None if dry else r.get(k, r.get("trace_error", "n/a")) for k in ("traced_peak", "traced_reserved")}
+        allocated = None if dry else r.get("max_allocated")
+        reserved = None if dry else r.get("max_reserved")
         cells = (
             f"{r['name']}: {r['what']}",
-            _size(r.get("analytic_peak", "n/a"), shift),
             _size(a, shift),
+            _size(r.get("analytic_peak", "n/a"), shift),
+            _size(cpu, shift),
             _size(gpu["traced_peak"], shift),
-            _size(None if dry else r.get("max_allocated"), shift),
-            _error(a, None if dry else r.get("max_allocated")),
+            _size(allocated, shift),
+            _error(a, allocated),
+            _error(cpu, allocated),
             _size(reserved_a, shift),
             _size(gpu["traced_reserved"], shift),
-            _size(None if dry else r.get("max_reserved"), shift),
-            _error(gpu["traced_reserved"], None if dry else r.get("max_reserved")),
+            _size(reserved, shift),
+            _error(reserved_a, reserved),
+            _error(gpu["traced_reserved"], reserved),
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -360,15 +410,18 @@ def _in_fresh_process(name: str, timeout_s: float, *, dry: bool = False) -> dict
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _header(dry: bool) -> str:
+def _header(dry: bool, cards: list[str]) -> str:
     if dry:
         where = "dry run on the CPU: every workload at reduced size; the GPU columns are not run"
     else:
         props = torch.cuda.get_device_properties(0)
         where = f"{props.name}, {props.total_memory:,} bytes, torch {torch.__version__}"
+    card = ", ".join(sorted(set(cards))) or DEFAULT_CUDA_DEVICE
     return (
         f"# GPU validation ({where})\n\n"
-        f"{'MiB = 2^20' if dry else 'GiB = 2^30'} bytes. (a) made without the GPU; (b) traced on the GPU; (c) and max_memory_reserved: "
+        f"{'MiB = 2^20' if dry else 'GiB = 2^30'} bytes. (a) made without the GPU, with CUDA's kernels as on the "
+        f"{card} (the CUDA-kind trace: substituted on fake CPU tensors; the analytic estimate); the CPU fake trace "
+        "runs the CPU's kernels on the same fake tensors; (b) traced on the GPU; (c) and max_memory_reserved: "
         "PyTorch's allocator counters over one step; (d) trainledger's caching allocator model.\n\n"
     )
 
@@ -396,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_case(CASE_BY_NAME[name], dry=True) if args.dry else _in_fresh_process(name, args.timeout)
         print(f"{name}: {row['seconds'] if 'seconds' in row else 0:.1f} s", file=sys.stderr)
         rows.append(row)
-    text = _header(args.dry) + table(rows, dry=args.dry) + "\n"
+    text = _header(args.dry, [r["card"] for r in rows if "card" in r]) + table(rows, dry=args.dry) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "gpu_validation_dry" if args.dry else "gpu_validation"
     (args.out / f"{stem}.md").write_text(text)

@@ -70,3 +70,48 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
     assert code == 2
     assert fragment in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _most_live(ledger, role: str) -> int:
+    """The most bytes of ``role`` live at one event of ``ledger``."""
+    entries = ledger.select(role=role)
+    return max(sum(e.nbytes for e in entries if e.live_at(ev)) for ev in range(ledger.num_events))
+
+
+@pytest.mark.slow  # traces a model twice
+def test_traced_model_with_cuda_kernels_sharded(cli_json):
+    """``--device-kind cuda``: the ledger sharded is the CUDA-kind trace. On one rank the transform is the
+    identity, so the peak is ``trace --device-kind cuda``'s to the byte. On two ranks under ZeRO-3 CUDA's foreach
+    AdamW takes the square root of every second moment the rank holds at once (``_foreach_sqrt``), where the
+    CPU's for-loop holds one parameter's; the cuBLAS workspace, one per stream, is not divided."""
+    from trainledger.shard import ShardConfig, shard
+    from trainledger.shard.launch import reference_step
+
+    one = cli_json("shard", "--model", "gpt-tiny", "--world", "1", "--stage", "0", "--device-kind", "cuda")
+    traced = cli_json("trace", "--model", "gpt-tiny", "--device-kind", "cuda")
+    assert one["device"] == "cuda" and one["peak"] == traced["peak"]
+    two = cli_json("shard", "--model", "gpt-tiny", "--world", "2", "--stage", "3", "--device-kind", "cuda")
+    assert two["device"] == "cuda" and two["peak"]["by_category"]["workspace"] >= 32 * 2**20
+
+    config = ShardConfig(world_size=2, strategy="zero3", engine="torch")
+    ranks = {k: shard(reference_step("gpt-tiny", kernel_kind=k).ledger, config).ranks[0] for k in ("cuda", "cpu")}
+    assert ranks["cuda"].peak().bytes == two["peak"]["bytes"]
+    moments = sum(e.nbytes for e in ranks["cuda"].select(role="exp_avg_sq"))
+    assert moments == sum(e.nbytes for e in ranks["cpu"].select(role="exp_avg_sq")) > 0
+    assert _most_live(ranks["cuda"], "optimizer_temporary") >= moments  # the group's sqrt, all at once
+    largest = max(e.nbytes for e in ranks["cpu"].select(role="exp_avg_sq"))
+    # the for-loop: the square root and the denominator of one parameter at a time (and a few scalars)
+    assert 2 * largest <= _most_live(ranks["cpu"], "optimizer_temporary") < 2 * largest + 1024 < moments
+    (workspace,) = ranks["cuda"].select(role="cublas_workspace")
+    assert workspace.nbytes == 4096 * 1024 * 8  # getChosenWorkspaceSize() on sm90 (CublasHandlePool.cpp)
+    assert not ranks["cpu"].select(role="cublas_workspace")
+
+
+def test_device_kind_is_refused_with_run_and_without_a_traced_model(cli):
+    for argv, fragment in (
+        (["--model", "mlp", "--run", "--device-kind", "cuda"], "--device-kind cuda shapes a trace on fake tensors"),
+        (["--params", "1e9", "--device-kind", "cuda"], "applies to a traced --model"),
+    ):
+        code, _, err = cli("shard", *argv)
+        assert code == 2 and fragment in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -102,6 +102,10 @@ def trace_top(result: FitResult, num_top: int, *, progress: Any = None) -> FitRe
     """``result`` with its ``num_top`` best configurations traced at full size on fake tensors (a few layers,
     extended to the config's depth) and sharded as each says, the ranking using the traced peaks.
 
+    The traces run the kernels the analytic rows assume (``result.base.device``): with ``cuda``, CUDA's kernels
+    substituted on fake tensors for the card of ``result.base.gpu`` (default an H100), so that the analytic and
+    traced columns compare like with like.
+
     A configuration that the traced peak pushes out of the device is replaced by the next best, which is
     traced in turn. Configurations that differ only in ZeRO stage share one trace (sharding is a transform
     of the traced ledger)."""
@@ -120,9 +124,11 @@ def trace_top(result: FitResult, num_top: int, *, progress: Any = None) -> FitRe
                 traces[step] = _trace_setup(result.config, setup, progress)
             peaks[c.key] = _rank0_peak(traces[step], result.options.world, c.stage)
         result = with_traced_peaks(result, peaks)
+    base = result.base
+    kernels = f"cuda kernels as on {base.card.name}" if base.device == "cuda" else "cpu kernels"
     note = (
-        f"traced peak: the step traced at full size on fake tensors ({len(traces)} traces, each a few layers deep "
-        "extended to the config's depth), rank 0 under the row's ZeRO stage; it decides what fits"
+        f"traced peak: the step traced at full size on fake tensors with {kernels} ({len(traces)} traces, each a "
+        "few layers deep extended to the config's depth), rank 0 under the row's ZeRO stage; it decides what fits"
     )
     return replace(result, notes=(*result.notes, note, *sorted(set(why_not.values()))))
 
@@ -139,7 +145,13 @@ def _trace_setup(config: dict[str, Any], setup: Setup, progress: Any) -> Any:
     from trainledger.commands._stacked import trace_hf_stacked
     from trainledger.hf import workload_from_setup
 
-    ledger, _ = trace_hf_stacked(config, lambda cfg: workload_from_setup(cfg, setup, fake=True), progress=progress)
+    ledger, _ = trace_hf_stacked(
+        config,
+        lambda cfg: workload_from_setup(cfg, setup, fake=True),
+        progress=progress,
+        kernel_kind=setup.device,
+        cuda_device=setup.card if setup.device == "cuda" else None,
+    )
     return ledger
 
 

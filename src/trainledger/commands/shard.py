@@ -94,6 +94,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --run: gloo on CPU (default) or nccl, one GPU a rank",
     )
+    p.add_argument(
+        "--device-kind",
+        default=None,
+        choices=("cpu", "cuda"),
+        metavar="KIND",
+        help="with a traced --model: whose kernels, cpu (default, the ones that run here) or cuda (the step as "
+        "PyTorch's CUDA kernels would run it, on fake tensors; the card is --device's, default an H100)",
+    )
     add_device_flags(p)
     state_cmd.add_spec_flags(p.add_argument_group("a declared format instead of a model (as `trainledger state`)"))
     add_json_flag(p)
@@ -118,6 +126,15 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.model and state_cmd.spec_flags_given(args):
         flags = flags_verb(state_cmd.spec_flags_given(args), "applies", "apply")
         raise InputError(f"{flags} only to a declared format (--params); --model is traced as it is: drop them")
+    if args.device_kind is not None and args.run_ranks:
+        raise InputError(
+            f"--device-kind {args.device_kind} shapes a trace on fake tensors; --run runs the ranks on this machine's "
+            "kernels: drop one of them"
+        )
+    if args.device_kind is not None and not args.model:
+        raise InputError(
+            f"--device-kind {args.device_kind} applies to a traced --model (a declared format has no kernels)"
+        )
     if args.run_ranks:
         if _given(args, PREDICTION_ONLY):
             flags = flags_verb(_given(args, PREDICTION_ONLY), "shapes", "shape")
@@ -143,8 +160,17 @@ def compute(args: argparse.Namespace) -> ShardReport:
     if args.model:
         from trainledger.shard.launch import reference_step
 
-        ref = reference_step(args.model, time_phases=args.link_gbps is not None)
-        ledger, source, engine = ref.ledger, f"{args.model}, traced in one process", args.engine or "torch"
+        cuda = args.device_kind == "cuda"
+        ref = reference_step(
+            args.model,
+            # the phases' times are this machine's kernels': a CUDA-kind step has none (all exposed)
+            time_phases=args.link_gbps is not None and not cuda,
+            kernel_kind="cuda" if cuda else "cpu",
+            cuda_device=args.device if cuda else None,
+            world_size=args.world if cuda else 1,
+        )
+        how = "with cuda kernels on fake tensors" if cuda else "in one process"
+        ledger, source, engine = ref.ledger, f"{args.model}, traced {how}", args.engine or "torch"
         compute_seconds = ref.phase_seconds.measured() if ref.phase_seconds is not None else None
         fsdp_facts = {"units": ref.units, "late_units": ref.late_units}
     elif args.params:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainledger.checks import instance_of, one_of, positive_number, whole_number
+from trainledger.devices import Device, KernelKind
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.shard import Collective, ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
@@ -311,20 +312,31 @@ class ReferenceStep:
     """Each phase's wall time in one untraced step; ``None``: not measured (not asked for)."""
 
 
-def reference_step(model: str, *, time_phases: bool = False) -> ReferenceStep:
+def reference_step(
+    model: str,
+    *,
+    time_phases: bool = False,
+    kernel_kind: KernelKind = "cpu",
+    cuda_device: str | Device | None = None,
+    world_size: int = 1,
+) -> ReferenceStep:
     """Trace ``model``'s step in one process and find its FSDP units (and, with ``time_phases``, time each
-    phase of one more step).
+    phase of one more step on this machine's kernels).
+
+    With ``kernel_kind="cuda"`` the step is traced as PyTorch's CUDA kernels would run it on ``cuda_device``
+    (default an H100), on fake tensors (see :func:`trainledger.trace.trace`); ``world_size`` then sizes NCCL's
+    buffers, stated beside the ledger.
 
     Example (not run here: it builds and traces a model)::
 
-        ref = reference_step("gpt-tiny")
+        ref = reference_step("gpt-tiny", kernel_kind="cuda")
         shard(ref.ledger, world_size=4, engine="torch", units=ref.units, late_units=ref.late_units)
     """
     from trainledger.sources import load_workload
     from trainledger.trace import trace
 
     workload = load_workload(model)
-    ledger = trace(workload)
+    ledger = trace(workload, kernel_kind=kernel_kind, cuda_device=cuda_device, world_size=world_size)
     seconds = _phase_seconds(workload) if time_phases else None
     units = units_of(workload.model)
     return ReferenceStep(ledger, units, late_units(workload, units), seconds)

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.autograd import _make_grads
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
 from trainledger.devices import (
     DEFAULT_CUDA_DEVICE,
@@ -111,7 +113,32 @@ class CudaKernels(TorchFunctionMode):
             out = self._dropout(*args, **kwargs)
             if out is not None:
                 return out
+        if func is torch.Tensor.backward:
+            return self._backward(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _backward(
+        self,
+        tensor: torch.Tensor,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
+        """``tensor.backward(...)`` with this mode on the stack. A mode is off the function-mode stack while its
+        own handler runs, so ``loss.backward()`` would run the whole backward without the substitutions, and a
+        checkpointed region's recomputation would make the CPU's dropout mask and attention where the forward
+        saved CUDA's (``torch.utils.checkpoint`` refuses the mismatch). ``torch.autograd.backward``'s body,
+        without its ``__torch_function__`` check, which would bring the call back here with the mode off."""
+        tensors = (tensor,)
+        wrt = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        grads = _make_grads(tensors, (gradient,), is_grads_batched=False)
+        _push_mode(self)
+        try:
+            keep = create_graph if retain_graph is None else retain_graph
+            _engine_run_backward(tensors, grads, keep, create_graph, wrt, allow_unreachable=True, accumulate_grad=True)
+        finally:
+            _pop_mode()
 
     def _dropout(
         self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
