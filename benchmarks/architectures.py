@@ -57,6 +57,11 @@ ROWS = (
         kind="denoising (diffusers UNet2DConditionModel, 64×64 latents)",
         flags=("--diffusers-config", str(FIXTURES / "sd15-unet-diffusers.json"), "--micro-batch", "4"),
     ),
+    Row(
+        name="resnet50",
+        kind="image classification (timm, 224×224)",
+        flags=("--timm", "resnet50", "--micro-batch", "64"),
+    ),
     _hf("gpt2-xl", "causal LM", "--seq-len", "1024"),
     _hf("phi-2", "causal LM", "--seq-len", "2048"),
     _hf("qwen2-7b", "causal LM", "--seq-len", "4096"),

@@ -107,6 +107,29 @@ def test_diffusers_fake_trace_equals_real_trace(recipe):
     assert fake.num_params() == real.num_params()
 
 
+def _usable_timm():
+    try:
+        import timm
+    except Exception:  # timm imports torchvision, whose wheel must match the installed torch
+        pytest.skip("timm (with a torchvision matching this torch) is not installed")
+    return timm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenetv3_small_050"])
+def test_timm_fake_trace_equals_real_trace(name):
+    _usable_timm()
+    from trainledger.anymodel import workload_from_timm
+    from trainledger.trace import trace
+
+    setup = Setup(micro_batch=2, recipe="fp32")
+    real_workload = workload_from_timm(name, setup, image_size=64)
+    real = trace(real_workload)
+    fake = trace(workload_from_timm(name, setup, image_size=64, fake=True), fake=True)
+    assert fake.num_params() == real.num_params() == sum(p.numel() for p in real_workload.model.parameters())
+    assert fake.peak().bytes == real.peak().bytes
+
+
 def test_a_missing_or_unusable_extra_is_one_line(capsys):
     try:
         import timm  # noqa: F401
@@ -116,3 +139,13 @@ def test_a_missing_or_unusable_extra_is_one_line(capsys):
         pass
     assert main(["trace", "--timm", "resnet50", "--fake"]) == 2
     assert capsys.readouterr().err.strip().endswith("pip install 'trainledger[timm]'")
+
+
+def test_a_timm_model_that_reads_values_while_built_is_one_line_on_fake_tensors(capsys):
+    timm = _usable_timm()
+    name = "vit_tiny_patch16_224"  # its drop-path schedule is torch.linspace(...) read with .item()
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
+    assert main(["trace", "--timm", name, "--fake"]) == 2
+    err = capsys.readouterr().err
+    assert "reads tensor values while it is built" in err and err.strip().count("\n") == 0

@@ -373,6 +373,13 @@ def _building(mode: Any, dtype: torch.dtype, seed: int) -> Any:
     try:
         with quiet_transformers(), mode if mode is not None else contextlib.nullcontext():
             yield
+    except RuntimeError as exc:
+        if mode is None or type(exc).__name__ not in ("DataDependentOutputException", "DynamicOutputShapeException"):
+            raise
+        raise InputError(
+            f"the model reads tensor values while it is built ({exc}: e.g. a schedule computed with "
+            "torch.linspace(...).item()), which fake tensors cannot give: trace it without --fake"
+        ) from None
     finally:
         torch.set_default_dtype(default)
 
