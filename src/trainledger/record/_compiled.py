@@ -29,6 +29,7 @@ import functools
 import gc
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +43,7 @@ from trainledger.workload import iter_tensors
 
 COMPILED_INTERNAL = "compiled_internal"
 _WINDOW = "trainledger.compiled#"
+_UNKNOWN_BLOCK = "Memory block of unknown size"
 
 
 def compiled_modules(model: nn.Module) -> list[str]:
@@ -165,16 +167,20 @@ class CompiledRegions:
             setattr(owner, attr, original)
         self._patched = []
 
-    def start_step(self, device: str) -> None:
-        """A traced step of a model with compiled modules begins: on the CPU, the profiler whose allocation
-        events measure the compiled calls runs through it (not under the user's own: profilers do not nest).
-        It spans the step, not each call, so that frees inside a call of what the step allocated before it (a
-        compiled backward frees its forward's saved tensors as it goes) are seen too."""
-        if device == "cpu" and not torch._C._autograd._profiler_enabled():
+    def _start_profiler(self) -> bool:
+        """On the CPU, the profiler whose allocation events measure the compiled calls runs from a traced step's
+        first compiled call to the step's end (not under the user's own: profilers do not nest). It spans the
+        calls, not each call, so that frees inside a call of what the step allocated after the first one began
+        (a compiled backward frees its forward's saved tensors as it goes) are seen too."""
+        if self._profiler is None and not torch._C._autograd._profiler_enabled():
             from torch.profiler import ProfilerActivity, profile
 
+            # the allocator warns at every free of a block allocated before the profiler started; a warning turned
+            # into an error there (``-W error``) is raised inside a free, and the process crashes
+            warnings.filterwarnings("ignore", message=_UNKNOWN_BLOCK)
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profiler.__enter__()
+        return self._profiler is not None
 
     def take(self) -> tuple[list[Region], int]:
         """The regions of the step that ends now, measured (and how many could not be); starts the next."""
@@ -183,6 +189,8 @@ class CompiledRegions:
         if prof is not None:
             prof.__exit__(None, None, None)
             peaks = window_peaks(prof, _WINDOW)
+            prof.profiler = None  # its results now, not in a later garbage collection (which crashed)
+            warnings.filters[:] = [f for f in warnings.filters if getattr(f[1], "pattern", None) != _UNKNOWN_BLOCK]
             regions = [dataclasses.replace(r, peak_bytes=peaks.get(r.window)) if r.window else r for r in regions]
         return regions, sum(1 for r in regions if r.peak_bytes is None)
 
@@ -193,7 +201,7 @@ class CompiledRegions:
         if device.type == "cuda":
             with _cuda_peak(device) as peak:
                 yield peak
-        elif device.type == "cpu" and self._profiler is not None:
+        elif device.type == "cpu" and self._start_profiler():
             name = f"{_WINDOW}{len(self.regions)}"
             with torch.profiler.record_function(name):
                 yield lambda: name

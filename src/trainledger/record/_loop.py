@@ -38,9 +38,11 @@ Known limitations:
     - Tensors that exist when a step begins count when an op of the step uses them or when the loop holds
       them (found among Python's objects); tensors held only inside C++ objects (a retained autograd graph)
       are not seen.
-    - A ``torch.compile``-d module runs eagerly in a traced step (dynamo does not run under a tracing dispatch
-      mode): the ledger is the eager step's and says which modules are compiled; the compiled step's
-      kernels and (with inductor) random numbers differ. Steps outside ``steps=`` run compiled.
+    - A ``torch.compile``-d module runs compiled in a traced step too (the tracer steps aside for its calls),
+      but dispatch cannot see inside: each call and its compiled backward is one event, what it returns and
+      saves is traced from there, its buffers inside are measured (CPU: the profiler, so not under a profiler
+      the user runs; CUDA: the peak counter, reset for each call). A module compiled after the step began runs
+      eagerly in that step, and its ledger says so: compile before ``record``.
 """
 
 from __future__ import annotations
@@ -286,8 +288,6 @@ class Recording(contextlib.ContextDecorator):
         devices = {p.device for p in self.model.parameters()}
         for i, t in enumerate(_held_tensors(devices, tracer.storages)):
             tracer.known(t, f"held_by_loop[{i}]", Category.OTHER, "held")
-        if self._compiled:
-            self._regions.start_step(_model_device(self.model))
         scopes.open()
         hooks = torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack)
         hooks.__enter__()
