@@ -333,13 +333,23 @@ def eager_note(paths: list[str]) -> tuple[str, ...]:
 
 @functools.cache
 def dynamo_skipped(tracer_class: type) -> type:
-    """A subclass of ``tracer_class`` whose ``__torch_dispatch__`` (and all it calls) dynamo never compiles."""
+    """A subclass of ``tracer_class`` whose ``__torch_dispatch__`` and saved-tensor hooks (and all they call)
+    dynamo never compiles: a compiled call saves tensors for backward through the hooks, from inside the frames
+    dynamo watches."""
     import torch._dynamo
 
     class DynamoSkipped(tracer_class):  # type: ignore[misc, valid-type]
         @torch._dynamo.disable(recursive=True)
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
             return super().__torch_dispatch__(func, types, args, kwargs)
+
+        @torch._dynamo.disable(recursive=True)
+        def pack(self, t: torch.Tensor) -> torch.Tensor:
+            return super().pack(t)
+
+        @torch._dynamo.disable(recursive=True)
+        def unpack(self, t: torch.Tensor) -> torch.Tensor:
+            return super().unpack(t)
 
     DynamoSkipped.__name__ = DynamoSkipped.__qualname__ = f"DynamoSkipped{tracer_class.__name__}"
     return DynamoSkipped
