@@ -9,7 +9,8 @@ are separate processes, so the profiler's oracle shares nothing with the tracer.
 
 ``... oracle --skip K`` and ``... record --skip K`` put an inf into step K's first micro-batch: its gradients
 are NaN and the GradScaler skips that optimizer step (the oracle's step then ends where ``scaler.step``
-returns).
+returns). ``--compile`` runs the model through ``torch.compile`` (inductor) in both: the recorded
+compiled calls are one event each, their buffers inside measured (see ``trainledger.record``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ def train(model: nn.Module, opt: Any, sched: Any, scaler: Any, data: list[Any], 
             sched.step()
 
 
-def oracle_peaks(skip: int | None = None) -> list[int]:
+def compiled(run: dict[str, Any], compile: bool) -> dict[str, Any]:
+    """The loop's objects with the model the loop calls compiled (the optimizer and record keep the module)."""
+    return {**run, "model": torch.compile(run["model"])} if compile else run
+
+
+def oracle_peaks(skip: int | None = None, compile: bool = False) -> list[int]:
     from torch.profiler import ProfilerActivity, profile
 
     from tests.oracle_profiler import boundary, step_peaks
@@ -71,23 +77,25 @@ def oracle_peaks(skip: int | None = None) -> list[int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = build(skip=skip)
         boundary()
-        train(**run, after_step=boundary)
+        train(**compiled(run, compile), after_step=boundary)
     gc.enable()
     return step_peaks(prof)
 
 
-def recorded_peaks(skip: int | None = None) -> list[int]:
+def recorded_peaks(skip: int | None = None, compile: bool = False) -> list[int]:
     from trainledger import record
 
     gc.collect()
     gc.disable()
     run = build(skip=skip)
+    loop = compiled(run, compile)
     with record(run["model"], run["opt"]) as rec:
-        train(**run)
+        train(**loop)
     gc.enable()
     return [rec.ledger(step=k).peak().bytes for k in rec.steps]
 
 
 if __name__ == "__main__":
-    skipped = int(sys.argv[3]) if sys.argv[2:3] == ["--skip"] else None
-    print(json.dumps(oracle_peaks(skipped) if sys.argv[1] == "oracle" else recorded_peaks(skipped)))
+    skipped = int(sys.argv[sys.argv.index("--skip") + 1]) if "--skip" in sys.argv else None
+    peaks = oracle_peaks if sys.argv[1] == "oracle" else recorded_peaks
+    print(json.dumps(peaks(skipped, compile="--compile" in sys.argv)))

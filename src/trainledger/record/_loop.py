@@ -38,9 +38,11 @@ Known limitations:
     - Tensors that exist when a step begins count when an op of the step uses them or when the loop holds
       them (found among Python's objects); tensors held only inside C++ objects (a retained autograd graph)
       are not seen.
-    - A ``torch.compile``-d module runs eagerly in a traced step (dynamo does not run under a tracing dispatch
-      mode): the ledger is the eager step's and says which modules are compiled; the compiled step's
-      kernels and (with inductor) random numbers differ. Steps outside ``steps=`` run compiled.
+    - A ``torch.compile``-d module runs compiled in a traced step too (the tracer steps aside for its calls),
+      but dispatch cannot see inside: each call and its compiled backward is one event, what it returns and
+      saves is traced from there, its buffers inside are measured (CPU: the profiler, so not under a profiler
+      the user runs; CUDA: the peak counter, reset for each call). A module compiled after the step began runs
+      eagerly in that step, and its ledger says so: compile before ``record``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,13 @@ from trainledger.checks import describe
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key
 from trainledger.ledger import Category, Entry, Ledger, Peak
-from trainledger.record._compiled import compiled_modules, compiled_note, dynamo_skipped
+from trainledger.record._compiled import (
+    CompiledRegions,
+    compiled_modules,
+    compiled_note,
+    dynamo_skipped,
+    eager_note,
+)
 from trainledger.record._scaler import SKIPPED_NOTE, watching_skipped_steps
 from trainledger.trace import (
     ModuleScopes,
@@ -86,8 +94,12 @@ class _LoopTracer(StepTracer):
         self.phase = "zero_grad"
         self.after = ""  # the last of forward / backward / optimizer this step has seen
         self.in_optimizer = False
+        self.passthrough = False  # a compiled backward runs: its ops are not the step's to see one by one
+        self.saved_in_region: list[torch.Tensor] | None = None  # saved by a compiled call, not yet tracked
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if self.passthrough:
+            return func(*args, **(kwargs or {}))
         if _current_node() is not None:
             self.phase = self.after = "backward"
         elif self.scopes.stack:  # before the optimizer test: Lightning runs forward inside step(closure)
@@ -97,6 +109,11 @@ class _LoopTracer(StepTracer):
         else:  # between modules: the loss after forward; unscale_ and clipping after backward
             self.phase = _OUTSIDE.get(self.after, "zero_grad")
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.saved_in_region is not None and t.layout is torch.strided and storage_key(t) not in self.storages:
+            self.saved_in_region.append(t)
+        return super().pack(t)
 
 
 _OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
@@ -166,7 +183,8 @@ class Recording(contextlib.ContextDecorator):
         self._live: _Live | None = None
         self._handles: list[Any] = []
         self._watches = contextlib.ExitStack()  # what record follows outside dispatch while it runs
-        self._compiled: list[str] = []  # modules that run compiled (eagerly while traced)
+        self._compiled: list[str] = []  # modules that run compiled
+        self._regions = CompiledRegions(model, lambda: None if self._live is None else self._live.tracer)
         self._entered = False
 
     # --- entering and leaving --------------------------------------------------------------------
@@ -181,7 +199,7 @@ class Recording(contextlib.ContextDecorator):
             self._handles.append(opt.register_step_post_hook(self._after_optimizer))
         self._watches.enter_context(watching_skipped_steps(self._step_returned, self._skipped_optimizer))
         self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
-        self._compiled = compiled_modules(self.model)
+        self._watches.enter_context(self._regions)
         self._open()
         return self
 
@@ -260,6 +278,8 @@ class Recording(contextlib.ContextDecorator):
         self._next += 1
         if self.selected is not None and index not in self.selected:
             return
+        self._regions.patch()  # modules compiled since the last step
+        self._compiled = compiled_modules(self.model)
         scopes = ModuleScopes([("", self.model)])
         tracer = (dynamo_skipped(_LoopTracer) if self._compiled else _LoopTracer)(scopes)
         for opt in self.optimizers:
@@ -296,6 +316,7 @@ class Recording(contextlib.ContextDecorator):
         live = self._pop()
         if live is not None:
             live.tracer.stop()
+            self._regions.take()
 
     def _close(self) -> None:
         live = self._pop()
@@ -305,6 +326,8 @@ class Recording(contextlib.ContextDecorator):
         for opt in self.optimizers:
             mark_optimizer_outputs(tracer, self.model, opt)
         tracer.stop()
+        regions, unmeasured = self._regions.take()
+        eager = self._regions.unrouted()
         if not tracer.num_events:
             return
         ledger = traced_ledger(
@@ -313,10 +336,16 @@ class Recording(contextlib.ContextDecorator):
             seconds=live.seconds,
             optimizers=list(self.optimizers),
             parameter_order=[n for n, _ in self.model.named_parameters()],
-            notes=(*compiled_note(self._compiled), *((SKIPPED_NOTE,) if live.skipped else ())),
+            notes=(
+                *compiled_note(self._compiled, unmeasured),
+                *eager_note(eager),
+                *((SKIPPED_NOTE,) if live.skipped else ()),
+            ),
             meta={"step": live.index, "recorded": True, **({"skipped": True} if live.skipped else {}), **_rank()},
         )
-        ledger = ledger.with_entries(_reclassified(ledger, _model_device(self.model)))
+        device = _model_device(self.model)
+        inside = [e for e in (r.entry(device) for r in regions) if e is not None]
+        ledger = ledger.with_entries([*_reclassified(ledger, device), *inside])
         if self.kernel_workspace:
             with torch.random.fork_rng(devices=[]):  # running a kernel alone must not move the loop's RNG
                 ledger = with_kernel_workspace(ledger, tracer.kernel_calls)

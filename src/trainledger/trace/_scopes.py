@@ -14,7 +14,8 @@ step: it is attributed as usual but not recorded as a call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,20 @@ class ModuleScopes:
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post, always_call=True),
         ]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Take the module hooks off while the block runs: a compiled module's call, which dynamo would
+        otherwise trace them into (changing the graph it compiles)."""
+        if not self._handles:
+            yield
+            return
+        for h in self._handles:
+            h.remove()
+        try:
+            yield
+        finally:
+            self.open()
 
     def close(self) -> None:
         for h in self._handles:

@@ -211,6 +211,16 @@ class StepTracer(TorchDispatchMode):
                 self._by_ref.pop(id(ref), None)
             self.finished.append(rec)
 
+    def outside_dispatch(self, op: str, outputs: list[torch.Tensor]) -> int:
+        """An event for work that ran out of this mode's sight (a compiled module's call), the storages among
+        ``outputs`` not seen before allocated by it; returns the event's index."""
+        index = len(self.ops)
+        module, call = self.scopes.forward_scope() if self.phase == "forward" else self.scopes.backward_scope()
+        self.ops.append((self.phase, op, module))
+        self.event_calls.append(call)
+        self._outputs(op, index, module, (), outputs)
+        return index
+
     # --- the dispatch hook -------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
