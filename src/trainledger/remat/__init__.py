@@ -29,6 +29,7 @@ from trainledger.remat._candidates import (
     linear_model,
     regions_of,
     replay,
+    with_rng_states,
 )
 from trainledger.remat._full import RankPlanner, Sharding, plan_for_instance, solve_per_rank, verify_fake
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
@@ -114,4 +115,5 @@ __all__ = [
     "uniform_chain_model",
     "verify",
     "verify_fake",
+    "with_rng_states",
 ]
