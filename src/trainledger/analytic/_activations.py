@@ -103,12 +103,15 @@ def sdpa_backend_of(spec: ArchSpec, setup: Setup) -> SdpaBackend | None:
 
 def _math_attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     """The math SDPA kernel (``_scaled_dot_product_attention_math``): q, k, v upcast to fp32 (k, v repeated to the
-    query's heads), the fp32 softmax, with dropout its mask and the dropped weights (three T×T tensors)."""
+    query's heads), the fp32 softmax, with dropout its mask and the dropped weights (three T×T tensors). The mask
+    is CUDA's fused dropout's bool one on the card, the CPU's in the (fp32) weights' dtype."""
     T, nh, hd = setup.seq_len, spec.num_heads, spec.head_dim
     q, scores = rows * nh * T * hd, rows * nh * T * T
     out = [Saved(f"{p}q", q, "float32"), Saved(f"{p}k", q, "float32"), Saved(f"{p}v", q, "float32")]
-    kept = ("softmax", "dropout.mask", "dropped") if spec.attn_dropout > 0 else ("softmax",)
-    out += [Saved(f"{p}{n}", scores, "float32", core=True) for n in kept]
+    out.append(Saved(f"{p}softmax", scores, "float32", core=True))
+    if spec.attn_dropout > 0:
+        mask = "bool" if setup.device == "cuda" else "float32"
+        out += [Saved(f"{p}dropout.mask", scores, mask, core=True), Saved(f"{p}dropped", scores, "float32", core=True)]
     out.append(Saved(f"{p}o_proj.input", rows * T * nh * hd, _act(setup)))
     return out
 

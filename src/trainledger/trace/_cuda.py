@@ -10,7 +10,8 @@ else than the CPU's, what the CUDA kernel would have done (PyTorch 2.13):
   RNG seed and offset), so autograd saves what CUDA's backward reads; the CPU picks its own flash kernel or,
   with dropout, the math kernel that saves T×T tensors.
 - **Dropout**: ``at::dropout`` runs the fused ``native_dropout`` on CUDA (a 1-byte mask saved), on the CPU
-  a multiplication by a mask in the input's dtype (``Dropout.cpp``, ``is_fused_kernel_acceptable``).
+  a multiplication by a mask in the input's dtype (``Dropout.cpp``, ``is_fused_kernel_acceptable``); also
+  inside the math SDPA backend, whose composite is run op for op with CUDA's dropout.
 - **LayerNorm and GroupNorm statistics** (below autograd, in the tracer): CUDA keeps mean and rstd in
   fp32 for fp16/bf16 inputs (the accumulate type), the CPU kernels in the input's dtype.
 - **The optimizer**: ``foreach`` (``_default_to_fused_or_foreach`` picks it when every parameter is a CUDA
@@ -21,7 +22,6 @@ else than the CPU's, what the CUDA kernel would have done (PyTorch 2.13):
   the CUDA context and NCCL's buffers, outside the caching allocator, are stated beside the ledger, not in it.
 
 Known limitations:
-    - The math SDPA backend (rare on CUDA) still drops out through the CPU's dropout inside the op.
     - cuDNN convolution workspaces and other buffers kernels allocate inside one op are not modelled.
     - Recurrent layers run the CPU's kernel on fake tensors: cuDNN's RNN reserve space is not modelled.
     - A step with data-dependent shapes (top-k routing through ``nonzero``) cannot run on fake tensors.
@@ -29,7 +29,9 @@ Known limitations:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -175,6 +177,9 @@ class CudaKernels(TorchFunctionMode):
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask
             attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
         if backend == "math":
+            if dropout_p > 0:
+                self.dropouts += 1
+                return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             return _aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
             )[0]
@@ -203,6 +208,60 @@ def _flash(
     scale = scale if scale is not None else d**-0.5
     out = _aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     return out[..., :d] if pad else out
+
+
+def _fused_dropout(attn: torch.Tensor, p: float) -> torch.Tensor:
+    return _aten.native_dropout.default(attn, p, True)[0]
+
+
+def math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    *,
+    dropout: Callable[[torch.Tensor, float], torch.Tensor] = _fused_dropout,
+) -> torch.Tensor:
+    """``_scaled_dot_product_attention_math`` (``attention.cpp``) op for op, its locals alive as long, with
+    ``dropout`` for its ``at::dropout``: CUDA's fused ``native_dropout`` (a bool mask saved) by default, where
+    the CPU multiplies by a mask in the attention's dtype. ``tests/test_cuda_math_attention.py`` holds it,
+    with the CPU's dropout, equal to the C++ op allocation for allocation."""
+    origin = query.dtype
+    upcast = (
+        origin in (torch.float16, torch.bfloat16) and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    )
+    # fp16/bf16 inputs are kept in fp32 for accuracy unless allow_fp16_bf16_reduction_math_sdp
+    q, k, v = (
+        (_aten._to_copy.default(t, dtype=torch.float32) for t in (query, key, value)) if upcast else (query, key, value)
+    )
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    scaled = _aten.mul.Scalar(q, -factor if negative else factor)
+    mask = attn_mask
+    if is_causal:
+        causal = torch.ones(scaled.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        neg_inf = _aten.scalar_tensor.default(float("-inf"), dtype=scaled.dtype, device=q.device)
+        zero = _aten.scalar_tensor.default(0.0, dtype=scaled.dtype, device=q.device)
+        mask = _aten.where.self(causal, zero, neg_inf)
+        del causal, neg_inf, zero
+    keys, values = k, v
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        repeats = q.shape[-3] // k.shape[-3]
+        keys, values = k.repeat_interleave(repeats, dim=-3), v.repeat_interleave(repeats, dim=-3)
+    attn = torch.matmul(scaled, _aten.mul.Scalar(keys.transpose(-2, -1), factor))
+    if mask is not None:
+        attn = attn.add(mask)
+    attn = _aten._safe_softmax.default(attn, -1)
+    if dropout_p > 0:
+        attn = dropout(attn, dropout_p)
+    weights = attn.to(origin)  # the op's second output, made before the first and dropped by SDPA
+    out = torch.matmul(attn, values).to(origin)
+    del weights
+    return out
 
 
 def _mem_efficient_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
