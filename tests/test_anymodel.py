@@ -146,6 +146,22 @@ def test_timm_fake_trace_equals_real_trace(name):
     assert meta == name.startswith(("vit", "convnext"))  # the others build under FakeTensorMode, as before
 
 
+@pytest.mark.slow
+def test_trace_timm_fake_of_a_vit_on_the_command_line(capsys):
+    timm = _usable_timm()
+    name = "vit_tiny_patch16_224"
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
+    from trainledger.anymodel import workload_from_timm
+    from trainledger.trace import trace
+
+    argv = ["trace", "--timm", name, "--fake", "--image-size", "64", "--micro-batch", "2", "--dtype", "fp32"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    real = trace(workload_from_timm(name, Setup(micro_batch=2, recipe="fp32"), image_size=64))
+    assert (out["peak"]["bytes"], out["peak"]["event"]) == (real.peak().bytes, real.peak().event)
+
+
 def _entries(led):
     return [(e.name, e.category, e.role, e.dtype, e.shape, e.nbytes, e.alloc_event, e.free_event) for e in led.entries]
 
