@@ -62,6 +62,16 @@ ROWS = (
         kind="image classification (timm, 224×224)",
         flags=("--timm", "resnet50", "--micro-batch", "64"),
     ),
+    Row(
+        name="vit_large_patch16_224",
+        kind="image classification (timm ViT, 224×224)",
+        flags=("--timm", "vit_large_patch16_224", "--micro-batch", "64"),
+    ),
+    Row(
+        name="convnext_base",
+        kind="image classification (timm ConvNeXt, 224×224)",
+        flags=("--timm", "convnext_base", "--micro-batch", "64"),
+    ),
     _hf("gpt2-xl", "causal LM", "--seq-len", "1024"),
     _hf("phi-2", "causal LM", "--seq-len", "2048"),
     _hf("qwen2-7b", "causal LM", "--seq-len", "4096"),

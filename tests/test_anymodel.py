@@ -4,10 +4,12 @@ are one line and exit status 2."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainledger.analytic import Setup
 from trainledger.cli import main
@@ -116,18 +118,52 @@ def _usable_timm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "mobilenetv3_small_050"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resnet18",
+        "mobilenetv3_small_050",
+        "vit_tiny_patch16_224",  # reads its drop-path schedule with .item() while built: weights on meta
+        "convnext_atto",  # the same
+    ],
+)
 def test_timm_fake_trace_equals_real_trace(name):
-    _usable_timm()
+    timm = _usable_timm()
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
     from trainledger.anymodel import workload_from_timm
     from trainledger.trace import trace
 
     setup = Setup(micro_batch=2, recipe="fp32")
     real_workload = workload_from_timm(name, setup, image_size=64)
     real = trace(real_workload)
-    fake = trace(workload_from_timm(name, setup, image_size=64, fake=True), fake=True)
+    fake_workload = workload_from_timm(name, setup, image_size=64, fake=True)
+    fake = trace(fake_workload, fake=True)
     assert fake.num_params() == real.num_params() == sum(p.numel() for p in real_workload.model.parameters())
-    assert fake.peak().bytes == real.peak().bytes
+    assert _entries(fake) == _entries(real) and [e.op for e in fake.events] == [e.op for e in real.events]
+    assert fake.peak().bytes == real.peak().bytes and fake.peak().event == real.peak().event
+    meta = all(p.is_meta for p in fake_workload.model.parameters())
+    assert meta == name.startswith(("vit", "convnext"))  # the others build under FakeTensorMode, as before
+
+
+@pytest.mark.slow
+def test_trace_timm_fake_of_a_vit_on_the_command_line(capsys):
+    timm = _usable_timm()
+    name = "vit_tiny_patch16_224"
+    if not timm.is_model(name):
+        pytest.skip(f"this timm has no {name}")
+    from trainledger.anymodel import workload_from_timm
+    from trainledger.trace import trace
+
+    argv = ["trace", "--timm", name, "--fake", "--image-size", "64", "--micro-batch", "2", "--dtype", "fp32"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    real = trace(workload_from_timm(name, Setup(micro_batch=2, recipe="fp32"), image_size=64))
+    assert (out["peak"]["bytes"], out["peak"]["event"]) == (real.peak().bytes, real.peak().event)
+
+
+def _entries(led):
+    return [(e.name, e.category, e.role, e.dtype, e.shape, e.nbytes, e.alloc_event, e.free_event) for e in led.entries]
 
 
 def test_a_missing_or_unusable_extra_is_one_line(capsys):
@@ -141,11 +177,22 @@ def test_a_missing_or_unusable_extra_is_one_line(capsys):
     assert capsys.readouterr().err.strip().endswith("pip install 'trainledger[timm]'")
 
 
-def test_a_timm_model_that_reads_values_while_built_is_one_line_on_fake_tensors(capsys):
-    timm = _usable_timm()
-    name = "vit_tiny_patch16_224"  # its drop-path schedule is torch.linspace(...) read with .item()
-    if not timm.is_model(name):
-        pytest.skip(f"this timm has no {name}")
-    assert main(["trace", "--timm", name, "--fake"]) == 2
-    err = capsys.readouterr().err
-    assert "reads tensor values while it is built" in err and err.strip().count("\n") == 0
+def test_a_model_that_reads_its_weights_while_built_is_one_line_on_fake_tensors():
+    from trainledger.anymodel import build_fake
+
+    class ReadsItsWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+            self.rates = [x.item() for x in torch.linspace(0, 1, 3)]  # readable: computed for real
+            self.norm = float(self.scale.sum())  # unreadable: the weight is on meta
+
+    with pytest.raises(InputError, match="reads the values of its weights while it is built") as info:
+        build_fake(lambda mode: _built_under(mode, ReadsItsWeight))
+    assert "\n" not in str(info.value) and str(info.value).endswith("trace it without --fake")
+    assert _built_under(None, ReadsItsWeight).norm == 4.0
+
+
+def _built_under(mode, cls):
+    with mode if mode is not None else contextlib.nullcontext():
+        return cls()

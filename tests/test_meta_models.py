@@ -3,7 +3,9 @@ model built for real, whose fake trace must be the same ledger entry for entry a
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import textwrap
 
 import pytest
@@ -12,7 +14,7 @@ from torch import nn
 
 from trainledger.cli import main
 from trainledger.errors import InputError
-from trainledger.trace import trace
+from trainledger.trace import EmptyWeights, trace
 from trainledger.workload import Workload
 
 SEQ_LEN, WIDTH, VOCAB = 8, 16, 32
@@ -133,3 +135,83 @@ def _status(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exc:
         return exc.code
+
+
+class DropPathLM(TinyLM):
+    """TinyLM whose constructor reads a tensor's value, as timm's ViT builds its drop-path schedule."""
+
+    def __init__(self, drop_path_rate: float = 0.1) -> None:
+        super().__init__()
+        rates = [x.item() for x in torch.linspace(0, drop_path_rate, len(self.blocks))]  # data-dependent
+        self.register_buffer("positions", torch.arange(SEQ_LEN))  # small: stays real, read in forward
+        self.rates = rates
+        nn.init.trunc_normal_(self.embed.weight, std=rates[-1])  # an initialiser: on meta in the empty build
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.embed.weight[self.positions[: ids.shape[1]]]
+        logits = self.head(self.blocks(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def build_drop_path(empty: bool = False) -> Workload:
+    torch.manual_seed(0)
+    with EmptyWeights() if empty else contextlib.nullcontext():
+        model = DropPathLM()
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN))
+    return Workload(model, ids, loss_fn=lambda loss, _: loss, name="drop-path-lm")
+
+
+def test_a_model_that_reads_values_while_built_cannot_be_built_on_fake_tensors_or_meta():
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    with pytest.raises(DataDependentOutputException), FakeTensorMode():
+        DropPathLM()
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"), torch.device("meta"):
+        DropPathLM()
+
+
+@pytest.mark.slow
+def test_a_model_built_with_empty_weights_traces_as_the_real_built_one():
+    w = build_drop_path(empty=True)
+    assert all(p.is_meta for p in w.model.parameters()) and not w.model.positions.is_meta
+    assert w.model.rates == pytest.approx([0.0, 0.1])  # computed for real
+    empty, fake, real = trace(w, fake=True), trace(build_drop_path(), fake=True), trace(build_drop_path())
+    assert ("buffer", SEQ_LEN * 8) in {(e.role, e.nbytes) for e in empty.entries}  # the real buffer, converted
+    assert _entries(empty) == _entries(fake) == _entries(real) and len(empty.entries) > 20
+    assert [(e.index, e.phase, e.op, e.module) for e in empty.events] == [
+        (e.index, e.phase, e.op, e.module) for e in real.events
+    ]
+    assert empty.peak().bytes == real.peak().bytes and empty.peak().event == real.peak().event
+
+
+def test_empty_weights_moves_parameters_and_large_buffers_only_while_entered():
+    with EmptyWeights(small_buffer_bytes=64) as empty:
+        big = nn.Linear(4096, 4096)  # 64 MiB were it real: created with torch.empty, moved as registered
+        big.register_buffer("small", torch.zeros(16))  # 64 bytes: real
+        big.register_buffer("large", torch.zeros(17))  # 68 bytes: meta
+        with empty:  # re-entered, nested
+            inner = nn.Linear(2, 2)
+        after_nested = nn.Linear(2, 2)
+        tied = nn.Module()
+        tied.weight = big.weight
+    assert big.weight.is_meta and big.bias.is_meta and big.weight.requires_grad
+    assert isinstance(big.weight, nn.Parameter) and tied.weight is big.weight
+    assert not big.small.is_meta and big.large.is_meta
+    assert inner.weight.is_meta and after_nested.weight.is_meta
+    assert not nn.Linear(2, 2).weight.is_meta  # the hooks are gone
+
+
+@pytest.mark.slow
+def test_trace_fake_of_a_factory_builds_its_model_with_empty_weights(tmp_path, capsys):
+    src = tmp_path / "drop_path_model.py"
+    src.write_text(
+        "import torch\nfrom tests.test_meta_models import build_drop_path\n\n"
+        "SEEN = []\n\ndef factory():\n    w = build_drop_path()\n"
+        "    SEEN.append(next(w.model.parameters()).device.type)\n    return w\n"
+    )
+    assert main(["trace", "--model", f"{src}:factory", "--fake", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    real = trace(build_drop_path())
+    assert out["peak"]["bytes"] == real.peak().bytes and out["peak"]["event"] == real.peak().event
+    seen = [m for name, m in sys.modules.items() if name.startswith("_trainledger_user_") and hasattr(m, "SEEN")]
+    assert [m.SEEN for m in seen] == [["meta"]]  # built plainly by the factory, its weights on meta

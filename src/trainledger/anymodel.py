@@ -21,9 +21,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,7 +34,10 @@ from trainledger.analytic import Setup, load_config_file
 from trainledger.checks import instance_of
 from trainledger.errors import InputError
 from trainledger.hf import declare_unpacked, import_transformers, optimizer_factory, quiet_transformers
+from trainledger.trace import EmptyWeights
 from trainledger.workload import Workload
+
+_Built = TypeVar("_Built")
 
 TASKS: dict[str, tuple[str, str]] = {
     "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
@@ -191,7 +196,8 @@ def build_any_model(
     mode: Any = None,
     seed: int = 0,
 ) -> nn.Module:
-    """The task's model of ``cfg`` in training mode: under ``mode`` (a ``FakeTensorMode``) or for real on the CPU.
+    """The task's model of ``cfg`` in training mode: under ``mode`` (a ``FakeTensorMode``, or
+    :class:`~trainledger.trace.EmptyWeights`: weights on ``meta``) or for real on the CPU.
 
     An architecture without SDPA attention is built with its eager attention instead.
     """
@@ -258,7 +264,8 @@ def _pixels(config: Any, micro_batch: int, dtype: torch.dtype, fake: bool, gen: 
 
 
 def _batch(cfg: AnyConfig, config: Any, setup: Setup, dtype: torch.dtype, mode: Any, seed: int) -> dict[str, Any]:
-    """The task's inputs and labels: random for a real build, zeros on fake tensors (same shapes)."""
+    """The task's inputs and labels: random for a real build, zeros made in ``mode`` (a ``FakeTensorMode`` or the
+    meta device) for a fake one (same shapes)."""
     gen = torch.Generator().manual_seed(seed)
     fake = mode is not None
 
@@ -299,7 +306,8 @@ def workload_from_any_config(
             implementation; LoRA, a reference model, recomputation and model parallelism are refused.
         task: a key of :data:`TASKS` (default: from ``architectures``).
         image_size: pixels per side for image classification (default: the config's ``image_size``).
-        fake: build under ``FakeTensorMode`` (full size, nothing allocated).
+        fake: build for a fake trace (full size, nothing allocated): under ``FakeTensorMode``, or with its
+            weights on ``meta`` where the model reads tensor values while it is built (see :func:`build_fake`).
         seed: seeds the weights and the batch of a real build.
 
     Example:
@@ -312,16 +320,12 @@ def workload_from_any_config(
     cfg = config if isinstance(config, AnyConfig) else load_any_config(config, task=task)
     setup = instance_of(setup, Setup, "setup", "give a trainledger.Setup(micro_batch=..., seq_len=..., ...)")
     _check_step(cfg, setup, image_size, fake)
-    mode: Any = None
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
     dtype = getattr(torch, setup.weight_dtype)
-    model = build_any_model(cfg, dtype=dtype, attn_impl=setup.attn_impl, image_size=image_size, mode=mode, seed=seed)
+    build = partial(build_any_model, cfg, dtype=dtype, attn_impl=setup.attn_impl, image_size=image_size, seed=seed)
+    model, made_in = build_fake(lambda mode: build(mode=mode)) if fake else (build(), None)
     if fake and cfg.task == "causal-lm":
         declare_unpacked(model)
-    batch = _batch(cfg, model.config, setup, dtype, mode, seed)
+    batch = _batch(cfg, model.config, setup, dtype, made_in, seed)
     return Workload(model, batch, optimizer=optimizer_factory(setup), name=cfg.name)
 
 
@@ -364,8 +368,8 @@ class Classifier(nn.Module):
 
 @contextlib.contextmanager
 def _building(mode: Any, dtype: torch.dtype, seed: int) -> Any:
-    """Build under ``mode`` (fake) or seeded, with parameters created in ``dtype`` (converting them afterwards
-    cannot swap fake parameters in place)."""
+    """Build under ``mode`` (a ``FakeTensorMode`` or :class:`EmptyWeights`) or seeded, with parameters created in
+    ``dtype`` (converting them afterwards cannot swap fake parameters in place)."""
     if mode is None:
         torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -373,25 +377,43 @@ def _building(mode: Any, dtype: torch.dtype, seed: int) -> Any:
     try:
         with quiet_transformers(), mode if mode is not None else contextlib.nullcontext():
             yield
-    except RuntimeError as exc:
-        if mode is None or type(exc).__name__ not in ("DataDependentOutputException", "DynamicOutputShapeException"):
-            raise
-        raise InputError(
-            f"the model reads tensor values while it is built ({exc}: e.g. a schedule computed with "
-            "torch.linspace(...).item()), which fake tensors cannot give: trace it without --fake"
-        ) from None
     finally:
         torch.set_default_dtype(default)
 
 
-def _fake_mode(fake: bool) -> Any:
-    if not isinstance(fake, bool):
-        raise InputError(f"fake {fake!r} must be True or False")
-    if not fake:
-        return None
+_READS_VALUES = ("DataDependentOutputException", "DynamicOutputShapeException")
+
+
+def build_fake(build: Callable[[Any], _Built]) -> tuple[_Built, Any]:
+    """``build(mode)`` under a ``FakeTensorMode``, and the mode; a model that reads a tensor's value while it is
+    built (``torch.linspace(0, rate, depth).item()``, which fake tensors cannot give) is built again under
+    :class:`~trainledger.trace.EmptyWeights`, its weights on ``meta``, and comes with the meta device, where its
+    batch is made. Either traces with ``trace(workload, fake=True)``.
+
+    A model that reads the value of one of its weights, or of a buffer too large to stay real, is one line.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        return build(mode), mode
+    except RuntimeError as exc:
+        if type(exc).__name__ not in _READS_VALUES:
+            raise
+    try:
+        return build(EmptyWeights()), torch.device("meta")
+    except (RuntimeError, NotImplementedError) as exc:
+        if "meta" not in str(exc):
+            raise
+        raise InputError(
+            "the model reads the values of its weights while it is built, which a build without them (on the "
+            f"meta device) cannot give ({' '.join(str(exc).split())[:200]}): trace it without --fake"
+        ) from None
+
+
+def _check_fake(fake: bool) -> None:
+    if not isinstance(fake, bool):
+        raise InputError(f"fake {fake!r} must be True or False")
 
 
 def _diffusers_class(raw: dict[str, Any]) -> Any:
@@ -452,19 +474,23 @@ def workload_from_diffusers_config(
         path: the model's ``config.json`` (its ``_class_name`` names the class) or a folder holding one.
         setup: micro-batch, conditioning tokens (``seq_len``), precision recipe and optimizer.
         latent_size: latent pixels per side (default: the config's ``sample_size``).
-        fake: build under ``FakeTensorMode`` (full size, nothing allocated).
+        fake: build for a fake trace (full size, nothing allocated; see :func:`build_fake`).
     """
     raw = load_config_file(path)
     cls = _diffusers_class(raw)
-    mode = _fake_mode(fake)
+    _check_fake(fake)
     side = latent_size or raw.get("sample_size") or 64
     side = side if isinstance(side, int) else side[0]
-    with _building(mode, getattr(torch, setup.weight_dtype), seed):
-        try:
-            inner = cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"diffusers cannot build {cls.__name__} from {path}: {exc}") from exc
-    batch = _diffusion_batch(inner, raw, setup, side, mode, seed)
+
+    def build(mode: Any) -> nn.Module:
+        with _building(mode, getattr(torch, setup.weight_dtype), seed):
+            try:
+                return cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
+            except (TypeError, ValueError) as exc:
+                raise InputError(f"diffusers cannot build {cls.__name__} from {path}: {exc}") from exc
+
+    inner, made_in = build_fake(build) if fake else (build(None), None)
+    batch = _diffusion_batch(inner, raw, setup, side, made_in, seed)
     name = f"{cls.__name__}:{Path(path).stem}"
     return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
 
@@ -475,22 +501,29 @@ def workload_from_timm(
     """One classification training step of a timm model by name, built without pretrained weights.
 
     The images are ``(B, 3, image_size, image_size)`` (default: the model's own input size), the labels
-    random classes, the loss cross-entropy.
+    class 0, the loss cross-entropy. With ``fake``, built for a fake trace (see :func:`build_fake`): ViT and
+    ConvNeXt, whose drop-path schedules are read with ``.item()`` while they are built, get their weights on
+    ``meta``.
     """
     timm = _extra("timm", "timm")
     if not isinstance(name, str) or not timm.is_model(name):
         raise InputError(f"timm has no model {name!r}; list them with timm.list_models('pattern*')")
-    mode = _fake_mode(fake)
+    _check_fake(fake)
     dtype = getattr(torch, setup.weight_dtype)
-    with _building(mode, dtype, seed):
-        kwargs = {"img_size": image_size} if image_size else {}
-        try:
-            inner = timm.create_model(name, pretrained=False, **kwargs).train()
-        except TypeError:  # a convolutional net takes any size and has no img_size argument
-            inner = timm.create_model(name, pretrained=False).train()
-        side = image_size or inner.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
-        gen = torch.Generator().manual_seed(seed)
-        shape = (setup.micro_batch, 3, side, side)
+
+    def build(mode: Any) -> nn.Module:
+        with _building(mode, dtype, seed):
+            kwargs = {"img_size": image_size} if image_size else {}
+            try:
+                return timm.create_model(name, pretrained=False, **kwargs).train()
+            except TypeError:  # a convolutional net takes any size and has no img_size argument
+                return timm.create_model(name, pretrained=False).train()
+
+    inner, made_in = build_fake(build) if fake else (build(None), None)
+    side = image_size or inner.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+    gen = torch.Generator().manual_seed(seed)
+    shape = (setup.micro_batch, 3, side, side)
+    with made_in if fake else contextlib.nullcontext():
         pixels = torch.zeros(shape, dtype=dtype) if fake else torch.randn(shape, generator=gen).to(dtype)
         labels = torch.zeros(setup.micro_batch, dtype=torch.long)
     batch = {"pixel_values": pixels, "labels": labels}

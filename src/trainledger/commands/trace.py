@@ -133,6 +133,12 @@ def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None)
             f"--task applies only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
             "and batch: drop it"
         )
+    if args.model and args.fake:
+        from trainledger.trace import EmptyWeights
+
+        # the factory's model at full size without its weights' memory; what its constructor computes is real
+        with EmptyWeights():
+            return workload_for(args, config=config)
     return workload_for(args, config=config)
 
 

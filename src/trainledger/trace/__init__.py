@@ -31,7 +31,7 @@ from trainledger.trace._cuda import (
     cuda_ledger,
     use_foreach,
 )
-from trainledger.trace._fake import fake_workload
+from trainledger.trace._fake import SMALL_BUFFER_BYTES, EmptyWeights, fake_workload
 from trainledger.trace._fsdp import fsdp_storages
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, KernelCounts, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
@@ -47,7 +47,9 @@ __all__ = [
     "KERNEL_INTERNAL",
     "PROBED_OPS",
     "RESTORED_NOTE",
+    "SMALL_BUFFER_BYTES",
     "CudaKernels",
+    "EmptyWeights",
     "ForwardRecord",
     "KernelCall",
     "MeasuredStep",

@@ -9,6 +9,14 @@ has shapes and dtypes but no values, which is all a fake step needs: its meta te
 the device the trace names (default cpu), so tensors that ``forward`` creates on the default device (a causal
 mask from ``torch.ones(T, T)``) meet its weights on one device. Meta tensors that were views of one another
 become separate fake tensors: a model that ties weights by sharing the ``Parameter`` keeps them tied.
+
+A model whose constructor reads a tensor's value (a drop-path schedule ``[x.item() for x in
+torch.linspace(0, rate, depth)]``, as timm's ViT and ConvNeXt compute it) cannot be built under
+``FakeTensorMode``, which has no values, nor under ``torch.device("meta")``. :class:`EmptyWeights` builds it
+for real with each parameter, and each buffer above a small size, moved to ``meta`` as it is registered:
+the schedule is computed on the CPU, the weights never occupy memory, and initialisers run on meta tensors
+(a truncated normal of a billion-element weight does nothing). Its small real buffers (position ids,
+relative-position indexes) are converted to fake tensors like any real tensor.
 """
 
 from __future__ import annotations
@@ -20,10 +28,73 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils._pytree import tree_map
 
 from trainledger.errors import InputError
 from trainledger.workload import Workload
+
+SMALL_BUFFER_BYTES = 1 << 20
+"""Buffers up to this size stay real in :class:`EmptyWeights` (index tables a constructor may read); larger
+ones (a causal mask of 8,192² booleans) go to ``meta`` with the parameters."""
+
+
+class EmptyWeights:
+    """While entered, every parameter and every buffer above ``small_buffer_bytes`` that a module registers is
+    replaced by a ``meta`` tensor of the same shape, dtype and ``requires_grad``; a model built so traces with
+    ``trace(workload, fake=True)``. Everything else the constructor computes is real.
+
+    It uses PyTorch's global registration hooks (the technique of accelerate's ``init_empty_weights``). A
+    parameter's tensor is created real before it is registered: ``torch.empty`` touches no page, so only
+    parameters made with values (``nn.Parameter(torch.zeros(1, 1, dim))``) are ever resident, one at a time.
+    It may be entered again, and nested.
+
+    Example:
+        >>> with EmptyWeights():
+        ...     rates = [x.item() for x in torch.linspace(0, 0.1, 3)]
+        ...     layer = nn.Linear(4096, 4096)
+        >>> layer.weight.device.type, round(rates[1], 2)
+        ('meta', 0.05)
+    """
+
+    def __init__(self, small_buffer_bytes: int = SMALL_BUFFER_BYTES) -> None:
+        self.small_buffer_bytes = small_buffer_bytes
+        self._handles: list[list[Any]] = []
+
+    def __enter__(self) -> EmptyWeights:
+        self._handles.append(
+            [
+                register_module_parameter_registration_hook(_parameter_to_meta),
+                register_module_buffer_registration_hook(self._buffer_to_meta),
+            ]
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles.pop():
+            handle.remove()
+
+    def _buffer_to_meta(self, module: nn.Module, name: str, buffer: torch.Tensor | None) -> torch.Tensor | None:
+        del module, name
+        if buffer is None or buffer.is_meta or isinstance(buffer, FakeTensor):
+            return None
+        if buffer.untyped_storage().nbytes() <= self.small_buffer_bytes:
+            return None
+        return buffer.to("meta")
+
+
+def _parameter_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    del module, name
+    if param is None or param.is_meta or isinstance(param, FakeTensor):
+        return None  # a parameter shared again (tied weights) is already on meta: kept the same object
+    if type(param) is not nn.Parameter:  # a subclass takes its attributes back (accelerate does the same)
+        return type(param)(param.detach().to("meta"), **{**param.__dict__, "requires_grad": param.requires_grad})
+    moved = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    return moved
 
 
 @contextlib.contextmanager
