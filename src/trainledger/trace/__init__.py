@@ -31,7 +31,7 @@ from trainledger.trace._cuda import (
     cuda_ledger,
     use_foreach,
 )
-from trainledger.trace._fake import SMALL_BUFFER_BYTES, EmptyWeights, fake_workload
+from trainledger.trace._fake import FAKE_SUBSTITUTES, SMALL_BUFFER_BYTES, EmptyWeights, fake_workload
 from trainledger.trace._fsdp import fsdp_storages
 from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, KernelCounts, kernel_entries
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
@@ -397,7 +397,8 @@ def _trace(
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots)
-    tracer = StepTracer(scopes, fake=fake, progress=progress, substitutes=DISPATCH_SUBSTITUTES if cuda else None)
+    substitutes = {**(FAKE_SUBSTITUTES if fake else {}), **(DISPATCH_SUBSTITUTES if cuda else {})}
+    tracer = StepTracer(scopes, fake=fake, progress=progress, substitutes=substitutes)
     for t, owner in iter_state(model, optimizer, reference=reference):
         tracer.known(t, owner.name, owner.category, owner.role)
     for i, t in enumerate(iter_tensors(workload.batch)):

@@ -276,7 +276,7 @@ def _mem_efficient_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tens
     return out
 
 
-def _fp32_statistics(out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def _fp32_statistics(out: tuple[torch.Tensor, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     """A norm's (output, mean, rstd) with the statistics in fp32 as CUDA keeps them for fp16/bf16 inputs."""
     result, mean, rstd = out
     if mean.dtype not in (torch.float16, torch.bfloat16):

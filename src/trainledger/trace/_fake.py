@@ -143,6 +143,42 @@ def fake_workload(workload: Workload, device: str = "cpu") -> Iterator[tuple[Wor
             table[name] = original
 
 
+def _contiguous_grad_input(out: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``native_layer_norm_backward``: the CPU and CUDA kernels write the input's gradient into a contiguous
+    tensor (``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``); the meta kernel copies the incoming gradient's
+    strides, so a transposed gradient made the next ``reshape`` copy on fake tensors only."""
+    grad = out[0]
+    if grad is None or grad.is_contiguous():
+        return out
+    return (torch.empty_like(grad, memory_format=torch.contiguous_format), *out[1:])
+
+
+def _grad_input_as_input(out: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``native_batch_norm_backward``: the kernels lay the input's gradient out as the input
+    (``empty_like(input, input.suggest_memory_format())``); the meta kernel follows the incoming gradient."""
+    grad, fmt = out[0], _suggested_format(args[1])
+    if grad is None or grad.is_contiguous(memory_format=fmt):
+        return out
+    return (torch.empty_like(grad, memory_format=fmt), *out[1:])
+
+
+def _suggested_format(x: Any) -> torch.memory_format:
+    """``suggest_memory_format()`` for a dense tensor: channels-last where its strides are, else contiguous."""
+    if isinstance(x, torch.Tensor) and not x.is_contiguous():
+        for fmt, dim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+            if x.dim() == dim and x.is_contiguous(memory_format=fmt):
+                return fmt
+    return torch.contiguous_format
+
+
+FAKE_SUBSTITUTES: dict[Any, Any] = {
+    torch.ops.aten.native_layer_norm_backward.default: _contiguous_grad_input,
+    torch.ops.aten.native_batch_norm_backward.default: _grad_input_as_input,
+}
+"""Below autograd, in a fake trace: ops whose meta kernels lay outputs out otherwise than the real kernels, with
+the function that gives the real kernel's layout (same bytes; what follows may copy or not)."""
+
+
 def _from_meta(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A fake tensor on ``device`` with the shape, strides and dtype of the meta tensor ``t``."""
     f = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), device)

@@ -89,12 +89,13 @@ class StepTracer(TorchDispatchMode):
         *,
         fake: bool = False,
         progress: ProgressFn | None = None,
-        substitutes: dict[Any, Callable[[Any], Any]] | None = None,
+        substitutes: dict[Any, Callable[[Any, tuple[Any, ...]], Any]] | None = None,
     ) -> None:
         super().__init__()
         self.substitutes = substitutes or {}
-        """Per op overload, a function of its outputs returning what another device's kernel returns instead
-        (a CUDA-kind trace's normalization statistics)."""
+        """Per op overload, a function of its outputs and arguments returning what the kernel the trace stands
+        for returns instead (a CUDA-kind trace's normalization statistics, a real kernel's strides where a fake
+        tensor's meta kernel lays its output out otherwise)."""
         global _NO_STORAGE
         _NO_STORAGE = _dtensor_types()
         self.fake = fake
@@ -270,7 +271,7 @@ class StepTracer(TorchDispatchMode):
         if self.substitutes:
             substitute = self.substitutes.get(func)
             if substitute is not None:
-                out = substitute(out)
+                out = substitute(out, args)
         if info.allocates or _NO_STORAGE:
             if isinstance(out, _Tensor) and not _NO_STORAGE and not (info.foreach and phase == "optimizer"):
                 if out.layout is _STRIDED and _storage_address(out) not in storages:
