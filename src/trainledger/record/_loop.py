@@ -323,8 +323,9 @@ class Recording(contextlib.ContextDecorator):
         if live is None:
             return
         tracer = live.tracer
+        parameters = list(self.model.parameters())  # a steady step, every state named, walks no more
         for opt in self.optimizers:
-            mark_optimizer_outputs(tracer, self.model, opt)
+            mark_optimizer_outputs(tracer, self.model, opt, parameters=parameters)
         tracer.stop()
         regions, unmeasured = self._regions.take()
         eager = self._regions.unrouted()
