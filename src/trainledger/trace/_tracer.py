@@ -676,7 +676,12 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds this rank's bytes: a DTensor's local shard, else ``t`` itself."""
+    if type(t) in _PLAIN:  # asked for every parameter and state tensor of a trace: no module lookup for these
+        return t
     return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def active_tracer() -> StepTracer | None:
