@@ -4,6 +4,13 @@ doctests are not collected (their tests skip and say why)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+
+# OpenMP's threads spin while they wait for the next parallel region: on a machine shared by several processes
+# the spinning takes the cores the other threads of the step need (the tests' CPU time was half spinning, their
+# wall time twice as long). Passive waiting keeps the thread count, so every kernel's buffers and every figure
+# stay as they are; set before torch is imported (here and in the processes the tests start).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 collect_ignore = [
     path

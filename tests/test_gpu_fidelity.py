@@ -156,9 +156,9 @@ def test_a_7b_step_replays_in_under_two_seconds():
     from trainledger.analytic import estimate
 
     led = estimate(HF / "llama-2-7b.json", Setup(seq_len=2048)).ledger
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the replay's own cost, not what other processes take of the cores
     pred = predict_reserved(led, kernel_kind="cuda", capacity_bytes=lookup("h200").usable_bytes)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(led.entries) > 2000 and elapsed < 2.0, elapsed
     assert pred.verdict == "oom" and pred.max_allocated_bytes > lookup("h200").usable_bytes  # 161.7 GB > 143 GiB
 

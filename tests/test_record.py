@@ -122,6 +122,30 @@ def test_a_step_the_grad_scaler_skips_is_its_own_step() -> None:
     assert {e.name for e in skipped.select(category=Category.GRADIENTS)} >= {"0.weight.grad", "5.bias.grad"}
 
 
+def test_optimizer_state_made_in_a_recorded_step_is_named_as_trace_names_it() -> None:
+    """AdamW makes its state on the first step; its step counters (``torch.tensor(0.0)``) without an op. Each
+    recorded step names every state tensor as ``trace`` does, by its parameter; on the first step each is
+    allocated then, for its parameter."""
+    from trainledger.examples import gpt_tiny
+    from trainledger.trace import trace
+    from trainledger.workload import run_step
+
+    w = gpt_tiny(n_layer=1, n_embd=8, n_head=2, seq_len=4, batch_size=1)
+    with record(w.model, w.get_optimizer()) as rec:
+        for _ in range(2):
+            run_step(w)
+    traced = trace(w)
+    state = sorted((e.name, e.role, e.nbytes) for e in traced.select(category=Category.OPTIMIZER))
+    num_params = len(list(w.model.parameters()))
+    assert len(state) == 3 * num_params  # exp_avg, exp_avg_sq, step
+    for step in rec.steps:
+        led = rec.ledger(step=step)
+        assert sorted((e.name, e.role, e.nbytes) for e in led.select(category=Category.OPTIMIZER)) == state
+        assert not [e.name for e in led.entries if e.role == "captured"]
+    made = rec.ledger(step=0).select(category=Category.OPTIMIZER)
+    assert all(e.alloc_event is not None and e.name == f"optimizer.{e.owner}.{e.role}" for e in made)
+
+
 @pytest.mark.slow
 def test_phases_accumulation_and_categories() -> None:
     _, rec = run_loop(True, steps=1)

@@ -60,14 +60,22 @@ def _rendered(render, result) -> str:
     return buf.getvalue()
 
 
+_RUNS: dict[tuple[str, ...], tuple[str, str]] = {}
+"""A deterministic command's printed JSON and text, by its arguments: run once for the tests of this file
+(strings: no test can change what another reads)."""
+
+
 def _saved(cli, tmp_path: Path, name: str, *argv: str) -> tuple[Path, dict, str]:
     """Run a command with --json into a file and once more without; returns (file, its JSON, the text)."""
-    code, out, err = cli(*argv, "--json")
-    assert code == 0, err
+    if argv not in _RUNS or any(a.startswith(str(tmp_path)) for a in argv):
+        code, out, err = cli(*argv, "--json")
+        assert code == 0, err
+        code, text, err = cli(*argv)
+        assert code == 0, err
+        _RUNS[argv] = (out, text)
+    out, text = _RUNS[argv]
     path = tmp_path / name
     path.write_text(out)
-    code, text, err = cli(*argv)
-    assert code == 0, err
     return path, json.loads(out), text
 
 

@@ -116,6 +116,30 @@ def test_blocks_that_differ_fall_back_to_the_full_trace():
 
 
 @pytest.mark.slow
+def test_an_extended_cuda_kind_ledger_keeps_every_field_of_every_entry():
+    """A CUDA-kind ledger's entries carry what the CUDA kernels change (``kernel``); extended, each entry keeps
+    every field, as the CUDA-kind trace at the full depth has it."""
+    from dataclasses import fields
+
+    from trainledger.examples import gpt_tiny
+    from trainledger.trace._stack import _tracer_order, extend
+
+    def build(depth: int) -> Workload:
+        return gpt_tiny(n_layer=depth, n_embd=8, n_head=2, seq_len=4, batch_size=1)
+
+    base, deeper, full = (trace(build(d), kernel_kind="cuda") for d in (3, 4, 5))
+    extended, _ = extend(base, [], find_stack({3: base.calls, 4: deeper.calls}), base_depth=3, depth=5)
+    # cuda_ledger adds the cuBLAS workspace after the tracer's entries: compare both in the tracer's order
+    ours, theirs = (sorted(led.entries, key=_tracer_order) for led in (extended, full))
+    assert len(ours) == len(theirs) == len(full.entries)
+    for a, b in zip(ours, theirs, strict=True):
+        for f in fields(a):
+            assert getattr(a, f.name) == getattr(b, f.name), (a.name, f.name)
+    num_labelled = sum(1 for e in ours if e.kernel)  # the blocks repeated carry their labels too
+    assert num_labelled == sum(1 for e in full.entries if e.kernel) > sum(1 for e in base.entries if e.kernel) > 0
+
+
+@pytest.mark.slow
 def test_a_shallow_model_is_traced_whole():
     led = trace_stacked(deep, 4)
     assert led.meta["blocks"]["extended"] is False

@@ -60,6 +60,34 @@ def test_unprobed_kernel_buffers_are_small_and_measured(name):
     assert m.unseen_workspace_bytes == oracle - traced
 
 
+def test_the_profilers_warning_on_older_storage_does_not_fail_a_measured_step(monkeypatch):
+    """Under warnings as errors, the profiler's warning when the measured step frees storage allocated before it
+    started (the step's own call of ``warnings.warn``, as torch's handler passes it on) is ignored there; any
+    other warning still raises, and after the step that one raises too."""
+    import importlib
+    import warnings
+
+    measure_module = importlib.import_module("trainledger.measure")  # the package, not the function it exports
+    plain = measure_module.run_step
+    message = "Memory block of unknown size was allocated before the profiling started"  # CPUAllocator.cpp
+
+    def step(workload, **kwargs):
+        if torch.autograd.profiler._is_profiler_enabled:  # the measured step: under the profiler
+            warnings.warn(message, UserWarning, stacklevel=1)
+        return plain(workload, **kwargs)
+
+    monkeypatch.setattr(measure_module, "run_step", step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = measure_module.measure(examples.mlp(), num_steps=1)
+        assert m.peak_bytes >= m.traced.peak().bytes - 64
+        with pytest.raises(UserWarning, match="unknown size"):
+            warnings.warn(message, UserWarning, stacklevel=1)  # outside the measured step it is not ignored
+        message = "another warning in the measured step"
+        with pytest.raises(UserWarning, match="another warning"):
+            measure_module.measure(examples.mlp(), num_steps=1)
+
+
 def test_measured_step_times_name_their_spread_and_threads_and_the_profiler_stays_quiet(capfd):
     from trainledger.measure import measure
 

@@ -30,7 +30,7 @@ import gc
 import itertools
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,20 +46,27 @@ _WINDOW = "trainledger.compiled#"
 _UNKNOWN_BLOCK = "Memory block of unknown size"
 
 
-def compiled_modules(model: nn.Module) -> list[str]:
+def compiled_modules(model: nn.Module, wrappers: Iterable[Any] | None = None) -> list[str]:
     """Paths of the modules of ``model`` that run compiled: ``module.compile()``-d ones, and those an
     ``OptimizedModule`` (``torch.compile(module)``) wraps, found among Python's objects ("(root)" for
-    ``model`` itself)."""
+    ``model`` itself). ``wrappers``: the process's ``OptimizedModule`` objects where the caller has walked
+    Python's objects already (see :func:`optimized_module_type`)."""
     paths = _paths(model)
     found = {paths[id(m)] for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
     found |= {paths[id(m)] for m in model.modules() if id(getattr(m, "_orig_mod", None)) in paths}
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    if dynamo is None:  # nothing was compiled in this process (and importing dynamo costs seconds)
+    optimized = optimized_module_type()
+    if optimized is None:  # nothing was compiled in this process (and importing dynamo costs seconds)
         return sorted(found)
-    for obj in gc.get_objects():
-        if type(obj) is dynamo.OptimizedModule and id(obj._orig_mod) in paths:
-            found.add(paths[id(obj._orig_mod)])
+    if wrappers is None:
+        wrappers = [obj for obj in gc.get_objects() if type(obj) is optimized]
+    found |= {paths[id(obj._orig_mod)] for obj in wrappers if id(obj._orig_mod) in paths}
     return sorted(found)
+
+
+def optimized_module_type() -> type | None:
+    """``torch.compile``'s wrapper class, ``None`` while dynamo is not imported (so nothing is compiled)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return None if dynamo is None else dynamo.OptimizedModule
 
 
 def _paths(model: nn.Module) -> dict[int, str]:

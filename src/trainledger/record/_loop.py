@@ -70,6 +70,7 @@ from trainledger.record._compiled import (
     compiled_note,
     dynamo_skipped,
     eager_note,
+    optimized_module_type,
 )
 from trainledger.record._scaler import SKIPPED_NOTE, watching_skipped_steps
 from trainledger.trace import (
@@ -279,15 +280,18 @@ class Recording(contextlib.ContextDecorator):
         if self.selected is not None and index not in self.selected:
             return
         self._regions.patch()  # modules compiled since the last step
-        self._compiled = compiled_modules(self.model)
+        # one walk of Python's objects (a large process holds millions): the compiled wrappers and the tensors
+        objects = _objects_of_types({torch.Tensor, nn.Parameter, optimized_module_type()} - {None})
+        self._compiled = compiled_modules(self.model, [o for o in objects if not isinstance(o, torch.Tensor)])
         scopes = ModuleScopes([("", self.model)])
         tracer = (dynamo_skipped(_LoopTracer) if self._compiled else _LoopTracer)(scopes)
         for opt in self.optimizers:
             for t, owner in iter_state(self.model, opt):
                 tracer.known(t, owner.name, owner.category, owner.role)
         devices = {p.device for p in self.model.parameters()}
-        for i, t in enumerate(_held_tensors(devices, tracer.storages)):
+        for i, t in enumerate(_held_tensors(objects, devices, tracer.storages)):
             tracer.known(t, f"held_by_loop[{i}]", Category.OTHER, "held")
+        del objects  # no reference of ours outlives the step's start
         scopes.open()
         hooks = torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack)
         hooks.__enter__()
@@ -323,8 +327,9 @@ class Recording(contextlib.ContextDecorator):
         if live is None:
             return
         tracer = live.tracer
+        parameters = list(self.model.parameters())  # a steady step, every state named, walks no more
         for opt in self.optimizers:
-            mark_optimizer_outputs(tracer, self.model, opt)
+            mark_optimizer_outputs(tracer, self.model, opt, parameters=parameters)
         tracer.stop()
         regions, unmeasured = self._regions.take()
         eager = self._regions.unrouted()
@@ -442,17 +447,20 @@ def _selection(steps: int | Iterable[int] | None) -> frozenset[int] | None:
     return frozenset(chosen)
 
 
-def _held_tensors(devices: set[torch.device], known: dict[int, Any]) -> list[torch.Tensor]:
+def _objects_of_types(types: set[Any]) -> list[Any]:
+    """Python's objects whose type is one of ``types`` exactly (not ``isinstance``: that asks every object for
+    its ``__class__``, and some warn), in one walk."""
+    return [obj for obj in gc.get_objects() if type(obj) in types]
+
+
+def _held_tensors(objects: list[Any], devices: set[torch.device], known: dict[int, Any]) -> list[torch.Tensor]:
     """Tensors on the model's devices that Python objects hold as the step begins (the last batch, output
-    and loss the loop's variables still refer to), one per storage, not already declared."""
+    and loss the loop's variables still refer to), one per storage, not already declared; ``objects``: the
+    process's plain tensors and parameters (and what else the caller's walk found)."""
     found: dict[int, torch.Tensor] = {}
     plain = (torch.Tensor, nn.Parameter)
-    for obj in gc.get_objects():
-        if (
-            type(obj) in plain  # not isinstance: that asks every object for its __class__, and some warn
-            and obj.layout is torch.strided
-            and obj.device in devices
-        ):
+    for obj in objects:
+        if type(obj) in plain and obj.layout is torch.strided and obj.device in devices:
             key = storage_key(obj)
             if key not in known and key not in found and obj.untyped_storage().nbytes():
                 found[key] = obj

@@ -446,7 +446,7 @@ def _trace(
         name=workload.name,
         seconds=seconds,
         optimizers=[optimizer],
-        parameter_order=[name for name, _ in model.named_parameters()],
+        parameter_order=[name for name, _ in named],
         notes=(_resized_note(resized),) if resized else (),
         meta={"cuda_facts": facts} if facts is not None else None,
     )

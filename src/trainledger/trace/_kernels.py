@@ -117,11 +117,15 @@ class KernelCall:
     @property
     def tensor_bytes(self) -> int:
         """Bytes of the call's tensors, its inputs and what it returns (an embedding's backward returns a
-        gradient the size of the vocabulary's table from small inputs)."""
-        inputs = sum(s.nbytes for s in _specs(self.args)) + sum(
-            s.nbytes for s in _specs(tuple(v for _, v in self.kwargs))
-        )
-        return inputs + self._output_bytes()
+        gradient the size of the vocabulary's table from small inputs). Once per distinct call in a process:
+        sizing the outputs runs the op on the meta device, a millisecond a call at every trace otherwise."""
+        found = _TENSOR_BYTES.get(self)
+        if found is None:
+            inputs = sum(s.nbytes for s in _specs(self.args)) + sum(
+                s.nbytes for s in _specs(tuple(v for _, v in self.kwargs))
+            )
+            found = _TENSOR_BYTES[self] = inputs + self._output_bytes()
+        return found
 
     def _output_bytes(self) -> int:
         """What the call returns, sized by running it on the meta device (0 when it cannot run there)."""
@@ -271,6 +275,7 @@ def _measure(calls: list[KernelCall]) -> list[int]:
 
 
 _WINDOW = "trainledger.kernel."
+_TENSOR_BYTES: dict[KernelCall, int] = {}
 _OUTPUTS: dict[KernelCall, list[int]] = {}
 
 

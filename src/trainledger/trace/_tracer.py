@@ -366,9 +366,18 @@ class StepTracer(TorchDispatchMode):
     def mark(self, t: torch.Tensor, category: Category, role: str, name: str) -> None:
         """Name a storage allocated during the step that turned out to be a gradient or optimizer state."""
         rec = self.storages.get(storage_key(local_tensor(t)))
-        if rec is not None and rec.category is None:
+        if rec is None:
+            return
+        if rec.category is None:
             rec.category, rec.role, rec.name = category, role, name
             rec.parameter = None
+        elif rec.role == "captured" and category is Category.OPTIMIZER:
+            # optimizer state made during the step without an op (AdamW's step counter, ``torch.tensor(0.0)``
+            # on the first step), first met as an op's input: state existing before the step was declared
+            # (``known``), so this was made at that event, for the parameter its name gives
+            rec.category, rec.role, rec.name, rec.alloc_event = category, role, name, rec.first_seen
+            rec.parameter = None
+            rec.owner = _parameter_of(rec)
 
     def any_unnamed(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``tensors`` uses a storage allocated during the step and not named yet (one
@@ -376,7 +385,7 @@ class StepTracer(TorchDispatchMode):
         storages = self.storages
         for t in tensors:
             rec = storages.get(storage_key(local_tensor(t)))
-            if rec is not None and rec.category is None:
+            if rec is not None and (rec.category is None or rec.role == "captured"):
                 return True
         return False
 
@@ -668,7 +677,12 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds this rank's bytes: a DTensor's local shard, else ``t`` itself."""
+    if type(t) in _PLAIN:  # asked for every parameter and state tensor of a trace: no module lookup for these
+        return t
     return t._local_tensor if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def active_tracer() -> StepTracer | None:
