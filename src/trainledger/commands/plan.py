@@ -405,6 +405,7 @@ _EVIDENCE_WORDS = {
     "traced": "tensor storages, traced",
     "measured": "kernel workspace, each kernel run alone",
     "declared": "the CPU RNG state each checkpointed call keeps, torch's size",
+    "analytic": "gathered parameters and communication buffers the sharding engine adds, by its model",
 }
 
 
