@@ -461,9 +461,10 @@ def verification_text(result: PlanResult) -> Text:
     yes = {True: "yes", False: "NO"}
     kind = result.plan.kernel_kind
     budget = f"{v.budget_bytes:,}" if v.budget_bytes is not None else "(none)"
+    where = "" if kind == "cpu" else f" with {kind} kernels; gradients from a real cpu step"
     lines = [
-        "verification (the plan applied, the step traced again):",
-        f"  traced peak ({kind} kernels) {v.traced_peak_bytes:,} bytes, predicted {v.predicted_peak_bytes:,}: "
+        f"verification (the plan applied, the step traced again{where}):",
+        f"  traced peak {v.traced_peak_bytes:,} bytes, predicted {v.predicted_peak_bytes:,}: "
         f"{100 * v.relative_error:+.3f}% ({'agree' if v.agrees else 'DISAGREE'}, limit {100 * AGREEMENT:.0f}%)",
         f"  within the budget {budget}: {yes[v.within_budget]}",
     ]
@@ -479,8 +480,7 @@ def verification_text(result: PlanResult) -> Text:
             )
         )
     lines += [
-        "  gradients bitwise equal to the plain step's (a real step on this machine: same seed, cpu kernels, "
-        "dropout on): "
+        "  gradients bitwise equal to the plain step's (same seed, cpu, dropout on): "
         + (
             f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
             if v.num_gradients
