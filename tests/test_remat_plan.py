@@ -101,11 +101,13 @@ def test_plan_json_keys_are_stable():
     d = Plan(regions=(Region("blocks.0"),), fingerprint=structure_fingerprint(w.model)).to_dict()
     assert sorted(d) == [
         "budget_bytes",
+        "cuda_device",
         "extra_flops",
         "extra_other_flops",
         "extra_seconds",
         "fingerprint",
         "floor_bytes",
+        "kernel_kind",
         "lp_bound",
         "model",
         "optimal",

@@ -9,9 +9,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainledger.commands._gpu import Target, device_line
 from trainledger.commands._hfstep import add_step_source_flags, workload_for
 from trainledger.commands.common import add_json_flag, input_paths, positive_int, print_json
-from trainledger.commands.plan import add_cost_flag, full_size, require_model, require_solvers
+from trainledger.commands.plan import (
+    add_cost_flag,
+    add_kernel_flags,
+    check_kernel_kind,
+    full_size,
+    kernels_line,
+    require_model,
+    require_solvers,
+)
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
 from trainledger.sources import load_workload
 
@@ -29,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_step_source_flags(p)
     p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets, 2 to 64 (default 8)")
     add_cost_flag(p)
+    add_kernel_flags(p)
     p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
     p.add_argument("--plot", metavar="FILE", help="write the curve as a picture (.png or .svg)")
     add_json_flag(p)
@@ -43,18 +53,26 @@ def compute(args: argparse.Namespace) -> ParetoResult:
         from trainledger.report.exports import check_export_paths
 
         check_export_paths(plot=args.plot, protect=input_paths(args))  # the suffix, the folder, matplotlib
-    if full_size(args):
+    kind = check_kernel_kind(args)
+    target = Target.of(args)
+    kinds: dict[str, Any] = {
+        "kernel_kind": kind,
+        "cuda_device": args.device if kind == "cuda" else None,
+        "allocator": target.allocator,
+        "capacity_bytes": target.capacity_bytes,
+    }
+    if full_size(args, kind):
         from trainledger.remat import Sharding
         from trainledger.shard import parse_strategy
 
         sharding = Sharding(world_size=args.world, strategy=parse_strategy(args.stage))
         workload = workload_for(args)
         return pareto(
-            workload, num_budgets=args.budgets, cost="flops", verify=args.verify, fake=True, sharding=sharding
+            workload, num_budgets=args.budgets, cost="flops", verify=args.verify, fake=True, sharding=sharding, **kinds
         )
     require_model(args)
     workload = load_workload(args.model)
-    return pareto(workload, num_budgets=args.budgets, cost=args.cost or "seconds", verify=args.verify)
+    return pareto(workload, num_budgets=args.budgets, cost=args.cost or "seconds", verify=args.verify, **kinds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         out["written"] = [str(written)] if written else []
         print_json(out)
         return 0
-    render(result, make_console())
+    render(result, make_console(), device=args.device)
     if written:
         make_console().print(f"wrote {written}")
     return 0
@@ -79,9 +97,11 @@ def _cost(p: Point | None, seconds: bool) -> str:
     return f"{p.extra_seconds * 1e3:.2f} ms" if seconds else f"{p.extra_flops / 1e6:,.1f} MFLOP"
 
 
-def render(result: ParetoResult, console: Console) -> None:
+def render(result: ParetoResult, console: Console, *, device: Any = None) -> None:
     seconds = result.cost == "seconds"
     verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
+    reserved = any(r.ours and r.ours.reserved_peak_bytes is not None for r in result.rows)
+    first = [kernels_line(result)] + ([device_line(device)] if device is not None else [])
     table = Table(
         title=f"{result.model}: cheapest recomputation per budget (extra compute = "
         + ("measured ms of recomputed ops" if seconds else "recomputed FLOPs")
@@ -90,6 +110,8 @@ def render(result: ParetoResult, console: Console) -> None:
     )
     for col in ("budget", "% plain", "ours: peak", "ours: extra", "MILP optimum", "greedy", "recomputed"):
         table.add_column(col, justify="left" if col == "recomputed" else "right")
+    if reserved:
+        table.add_column("ours: reserved", justify="right")
     if verified:
         table.add_column("traced peak", justify="right")
         table.add_column("grads equal", justify="right")
@@ -108,6 +130,8 @@ def render(result: ParetoResult, console: Console) -> None:
             "-" if per_rank else _cost(r.greedy, seconds),
             ", ".join(o.regions) if o and o.regions else "nothing",
         ]
+        if reserved:
+            row.append(f"{o.reserved_peak_bytes:,}" if o and o.reserved_peak_bytes is not None else "-")
         if verified:
             row += [f"{o.traced_peak_bytes:,}" if o else "-", "yes" if o and o.gradients_bitwise_equal else "NO"]
         if sac.get("ran"):
@@ -129,7 +153,12 @@ def render(result: ParetoResult, console: Console) -> None:
             "the budget as it is and (-optim) less the optimizer state; * = it discards part of a module's "
             "activations (a per-op policy), shown with those modules recomputed whole; over = above the budget"
         )
-    items: list[Any] = [table, Text("\n".join(lines))]
+    if reserved:
+        lines.append(
+            "ours: reserved: the plan's ledger replayed through the caching allocator's model, its predicted "
+            "max_memory_reserved (analytic, not measured); the peaks beside it are traced allocated bytes"
+        )
+    items: list[Any] = [Text("\n".join(first)), table, Text("\n".join(lines))]
     if result.baselines:
         items.append(baselines_table(result))
     items.append(notes_text([*result.candidate_notes, UNITS_NOTE]))

@@ -11,8 +11,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
 from trainledger.commands._hfstep import add_step_source_flags, small_workload, workload_for
 from trainledger.commands.common import add_json_flag, input_paths, print_json
+from trainledger.commands.estimate import kernel_kind_of
 from trainledger.errors import InputError
 from trainledger.report.exports import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
@@ -47,8 +49,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_step_source_flags(p)
     p.add_argument(
         "--budget",
-        required=True,
-        help="a share of the plain step's traced peak (60%%) or a size (2GiB); per rank with --world",
+        default=None,
+        help="a share of the plain step's traced peak (60%%) or a size (2GiB); per rank with --world "
+        "(default with --device: its usable memory)",
+    )
+    add_kernel_flags(p)
+    p.add_argument(
+        "--budget-on",
+        default=None,
+        choices=("allocated", "reserved"),
+        help="what must fit the budget: the peak of allocated bytes, or the caching allocator's predicted reserved "
+        "bytes (default reserved with --device or --allocator, else allocated)",
     )
     p.add_argument("--verify", action="store_true", help="apply the plan, trace the step again, compare gradients")
     p.add_argument("--solver", default="auto", choices=SOLVERS, help=f"one of {', '.join(SOLVERS)} (default auto)")
@@ -61,6 +72,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_json_flag(p)
     p.set_defaults(run=run)
+
+
+def add_kernel_flags(p: argparse.ArgumentParser) -> None:
+    """``--device-kind``, ``--device`` and ``--allocator``; shared by ``plan`` and ``pareto``."""
+    p.add_argument(
+        "--device-kind",
+        default=None,
+        choices=("cpu", "cuda"),
+        metavar="KIND",
+        help="whose kernels: cpu (default, the ones that run here) or cuda (the step as PyTorch's CUDA kernels "
+        "would run it, on fake tensors; the card is --device's, default an H100; cost in FLOPs)",
+    )
+    add_device_flags(p)
+
+
+def kernel_kind_for(args: argparse.Namespace) -> str:
+    """``--device-kind``; with ``--device``, its kernels (``cuda``) unless a contradicting kind is refused."""
+    if args.device is not None:
+        return kernel_kind_of(args)
+    return args.device_kind or "cpu"
+
+
+def check_kernel_kind(args: argparse.Namespace) -> str:
+    """The kernel kind, checked against the cost; a CUDA-kind step from a config is built on fake tensors."""
+    kind = kernel_kind_for(args)
+    if kind == "cuda":
+        if args.cost == "seconds":
+            raise InputError(
+                "--cost seconds times this machine's kernels; --device-kind cuda plans with CUDA's, which do not run "
+                "here: the cost is FLOPs (drop --cost)"
+            )
+        if args.hf_config:
+            args.fake = True  # as trace: a CUDA-kind step runs on fake tensors, never built with values
+    return kind
 
 
 def add_cost_flag(p: argparse.ArgumentParser) -> None:
@@ -79,18 +124,40 @@ def require_model(args: argparse.Namespace) -> None:
         raise InputError("give --model NAME|file.py:factory (see --help)")
 
 
+def budget_for(args: argparse.Namespace) -> Any:
+    """``--budget`` parsed, or the usable memory of ``--device``."""
+    from trainledger.remat import Budget
+
+    if args.budget is not None:
+        return Budget.parse(args.budget)
+    if args.device is not None:
+        return Budget(nbytes=args.device.usable_bytes)
+    raise InputError("give --budget (a share such as 60%, or a size such as 70GiB) or --device NAME (its memory)")
+
+
+def budget_on(args: argparse.Namespace) -> str:
+    """``--budget-on``, by default ``reserved`` when the allocator model runs (``--device``, ``--allocator``)."""
+    return args.budget_on or ("reserved" if args.device is not None or args.allocator is not None else "allocated")
+
+
 def compute(args: argparse.Namespace) -> PlanResult:
     require_solvers()
-    from trainledger.remat import Budget, plan_and_verify
+    from trainledger.remat import plan_and_verify
 
-    budget = Budget.parse(args.budget)  # before the step is traced
+    kind = check_kernel_kind(args)
+    budget = budget_for(args)  # before the step is traced
     if args.save:
         check_output_path(args.save, (".json",), what="plan", protect=input_paths(args))
     if args.export_policy:
         check_policy_path(args)
-    if full_size(args):
-        return compute_fake(args, budget)
+    if full_size(args, kind):
+        return compute_fake(args, budget, kind)
     require_model(args)
+    if budget_on(args) == "reserved" or args.allocator is not None:
+        raise InputError(
+            "the allocator model replays a plan made on fake tensors: add --fake (or plan CUDA's kernels with "
+            "--device-kind cuda or --device NAME)"
+        )
     workload = load_workload(args.model)
     return plan_and_verify(workload, budget, solver=args.solver, cost=args.cost or "seconds", verify=args.verify)
 
@@ -117,42 +184,40 @@ def command_line(args: argparse.Namespace) -> str:
         if key in _NOT_THE_PLAN or value is None or value is False or _FLAG_DEFAULTS.get(key) == value:
             continue
         flag = "--" + key.replace("_", "-")
+        if key == "allocator":  # parsed options: the flag alone stands for PyTorch's defaults
+            parts += [flag] if value == type(value)() else []
+            continue
+        value = getattr(value, "name", value)  # a device of the table by its name
         parts += [flag] if value is True else [flag, str(value)]
     return shlex.join(parts)
 
 
-def full_size(args: argparse.Namespace) -> bool:
-    """A step on fake tensors (``--fake``); ``--hf-config`` and sharding need it (``InputError`` otherwise)."""
+def full_size(args: argparse.Namespace, kind: str = "cpu") -> bool:
+    """A step on fake tensors (``--fake``, or CUDA's kernels); ``--hf-config`` and sharding need it
+    (``InputError`` otherwise)."""
     given = [
         f
         for f, on in (("--hf-config", args.hf_config), ("--world", args.world > 1), ("--stage", args.stage != "0"))
         if on
     ]
-    if given and not args.fake:
+    if given and not args.fake and kind != "cuda":
         raise InputError(f"{', '.join(given)} plan a step at full size on fake tensors: add --fake")
     if args.fake and args.cost == "seconds":
         raise InputError("--cost seconds needs the step to run; on fake tensors the cost is flops (drop --cost)")
-    return bool(args.fake)
+    return bool(args.fake) or kind == "cuda"
 
 
-def fake_planner(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """The workload the flags describe on fake tensors, its planner (FLOP costs) and its sharding."""
+def fake_planner(args: argparse.Namespace, kind: str = "cpu") -> tuple[Any, Any, Any]:
+    """The workload the flags describe on fake tensors, its planner (FLOP costs, ``kind``'s kernels) and its
+    sharding."""
     from trainledger.remat import Planner, Sharding
     from trainledger.shard import parse_strategy
 
     sharding = Sharding(world_size=args.world, strategy=parse_strategy(args.stage))
     workload = workload_for(args)
-    return workload, Planner.build(workload, cost="flops", fake=True), sharding
-
-
-_SMALL_NOTE = (
-    "verification: the full-size step is traced again on fake tensors; gradients and state are compared on a "
-    "small real instance of the architecture (3 blocks, hidden 64, 2 sequences of 32 tokens) running the same "
-    "plan by module path and policy (block i as block i mod 3)"
-)
-_NO_SMALL_NOTE = (
-    "verification: traced again on fake tensors; gradients cannot be compared on a model built on fake tensors"
-)
+    gpu = args.device if kind == "cuda" else None
+    planner = Planner.build(workload, cost="flops", fake=True, kernel_kind=kind, cuda_device=gpu)  # type: ignore[arg-type]
+    return workload, planner, sharding
 
 
 def _real_or_none(workload: Any) -> Any:
@@ -164,31 +229,72 @@ def _real_or_none(workload: Any) -> Any:
     return None if fake or not params else workload
 
 
-def compute_fake(args: argparse.Namespace, budget: Any) -> PlanResult:
-    """``plan --fake``: plan on the fake step's trace, per rank; ``--verify`` re-traces it on fake tensors
-    and compares gradients on a small real instance (with ``--hf-config``)."""
+def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> PlanResult:
+    """``plan --fake`` (or with CUDA's kernels): plan on the fake step's trace, per rank, on allocated or
+    reserved memory; ``--verify`` re-traces it on fake tensors under the same kernels and compares gradients
+    on a real CPU step (the model itself for ``--model``, a small instance for ``--hf-config``)."""
     from dataclasses import replace
 
-    from trainledger.remat import PlanResult, candidate_costs, peak_by_evidence, solve_per_rank, verify_fake
+    from trainledger.allocator import AllocatorConfig
+    from trainledger.remat import PlanResult, candidate_costs, peak_by_evidence, verify_fake
 
-    workload, planner, sharding = fake_planner(args)
+    workload, planner, sharding = fake_planner(args, kind)
+    target = Target.of(args)
     budget_bytes = budget.resolve(sharding.rank_ledger(planner.plain).peak().bytes)
-    p = solve_per_rank(planner, budget_bytes, sharding, solver=args.solver)
+    reserved_budget = budget_bytes if budget_on(args) == "reserved" else None
+    config = target.allocator if target.allocator is not None else AllocatorConfig()
+    p, fit = _solve(args, planner, budget_bytes, sharding, config if reserved_budget or target.allocator else None)
     p = replace(p, extra_seconds=None)  # fake kernels compute nothing: their times mean nothing
     verification = None
     if args.verify:
         small = small_workload(args) if args.hf_config else _real_or_none(workload)
-        verification = verify_fake(workload, p, sharding, small=small)
-        note = (
-            _SMALL_NOTE if args.hf_config else "verification: traced again on fake tensors; gradients on the real model"
+        verification = verify_fake(
+            workload,
+            p,
+            sharding,
+            small=small,
+            allocator=config if fit is not None else None,
+            capacity_bytes=target.capacity_bytes,
+            reserved_budget_bytes=reserved_budget,
         )
-        p = replace(p, notes=(*p.notes, note if small is not None else _NO_SMALL_NOTE))
+        p = replace(p, notes=(*p.notes, verification_note(args, kind, small is not None)))
     costs = candidate_costs(planner.candidates, planner.model)
     state_floor = planner.state_floor_bytes if sharding.trivial else None
     baselines = planner.baselines(_per_rank_peak(planner, sharding), timed=False)
     summary = p.predicted.summary() if p.predicted else None
     by_evidence = peak_by_evidence(p.predicted) if p.predicted else None
-    return PlanResult(p, costs, state_floor, verification, summary, by_evidence, baselines)
+    return PlanResult(p, costs, state_floor, verification, summary, by_evidence, baselines, fit, args.device)
+
+
+def _solve(args: argparse.Namespace, planner: Any, budget_bytes: int, sharding: Any, config: Any) -> tuple[Any, Any]:
+    """The plan for ``budget_bytes``, on reserved memory with ``--budget-on reserved``; with the allocator model
+    on (``config``), its prediction for the plan (:class:`~trainledger.remat.ReservedFit`), else ``None``."""
+    from trainledger.remat import ReservedFit, reserved_of, solve_per_rank, solve_reserved
+
+    capacity = args.device.usable_bytes if args.device is not None else None
+    if budget_on(args) == "reserved":
+        return solve_reserved(
+            planner, budget_bytes, sharding, config=config, capacity_bytes=capacity, solver=args.solver
+        )
+    p = solve_per_rank(planner, budget_bytes, sharding, solver=args.solver)
+    if config is None:
+        return p, None
+    return p, ReservedFit(None, None, 0, reserved_of(p, config=config, capacity_bytes=capacity))
+
+
+def verification_note(args: argparse.Namespace, kind: str, compared: bool) -> str:
+    """What ``--verify`` re-traced, under which kernels, and where the gradients were compared."""
+    kernels = f"{kind} kernels" + (" substituted" if kind == "cuda" else "")
+    traced = f"verification: the planned step traced again on fake tensors with {kernels} (the peak compared)"
+    if not compared:
+        return f"{traced}; gradients cannot be compared on a model built on fake tensors"
+    if args.hf_config:
+        return (
+            f"{traced}; gradients and state compared on a real CPU step of a small instance of the architecture "
+            "(3 blocks, hidden 64, 2 sequences of 32 tokens) running the same plan by module path and policy "
+            "(block i as block i mod 3), with this machine's cpu kernels"
+        )
+    return f"{traced}; gradients and state compared on a real CPU step of the model itself, with this machine's kernels"
 
 
 def _per_rank_peak(planner: Any, sharding: Any) -> Any:
@@ -214,9 +320,49 @@ def run(args: argparse.Namespace) -> int:
     return 1 if v is not None and not v.passed else 0
 
 
+def kernels_line(p: Any) -> str:
+    """The kernels a plan's figures assume (a saved plan from before kernel kinds: cpu)."""
+    if p.kernel_kind == "cuda":
+        return (
+            f"kernels: cuda as on {p.cuda_device or 'an H100'} (CUDA's kernels substituted in a trace on fake CPU "
+            "tensors; nothing ran on a GPU; cost in FLOPs)"
+        )
+    return "kernels: cpu (the ones that run here)"
+
+
+def device_check(result: PlanResult, device: Any) -> str:
+    """The plan's predicted allocated peak beside ``device``'s usable memory (an estimate: total less context)."""
+    peak = result.plan.predicted_peak_bytes or 0
+    usable = device.usable_bytes
+    verdict = "fits" if peak <= usable else f"EXCEEDS it by {peak - usable:,} bytes ({both_units(peak - usable)})"
+    missing = "" if result.reserved is not None else "; reserved memory not predicted (add --allocator)"
+    return f"on {device.name}: the predicted allocated peak {peak:,} bytes {verdict} its usable {usable:,}{missing}"
+
+
+def reserved_lines(result: PlanResult, device: Any) -> list[Any]:
+    """The allocator model's figures for the plan, and how a budget on reserved memory was met."""
+    fit = result.reserved
+    if fit is None:
+        return []
+    if fit.budget_bytes is None:
+        how = "budget on allocated bytes; reserved predicted for the plan, not budgeted"
+    else:
+        within = "within" if fit.max_reserved_bytes <= fit.budget_bytes else "ABOVE"
+        how = (
+            f"budget on reserved memory: predicted reserved {fit.max_reserved_bytes:,} bytes, {within} the budget "
+            f"{fit.budget_bytes:,}; solved for an allocated budget of {fit.allocated_budget_bytes:,} bytes after "
+            f"{fit.num_rounds} round{'s' if fit.num_rounds != 1 else ''} (each lowers it by the reserved excess)"
+        )
+    return [Text(how), reserved_text(fit.prediction, device)]
+
+
 def render(result: PlanResult, console: Console, *, saved: str | None = None) -> None:
     p = result.plan
-    items: list[Any] = [Text(_head(result))]
+    device = result.device
+    first = [_head(result), kernels_line(p)]
+    if device is not None:
+        first += [device_line(device), device_check(result, device)]
+    items: list[Any] = [Text("\n".join(first)), *reserved_lines(result, device)]
     items.append(regions_table(result))
     if result.predicted is not None:
         pk = result.predicted.peak
@@ -243,7 +389,7 @@ def render(result: PlanResult, console: Console, *, saved: str | None = None) ->
         ),
     ]
     if result.peak_by_evidence:
-        lines.insert(0, evidence_line(result.peak_by_evidence))
+        lines.insert(0, evidence_line(result.peak_by_evidence, p.kernel_kind))
     items.append(Text("\n".join(lines)))
     if result.baselines:
         items.append(baselines_table(result))
@@ -259,13 +405,21 @@ _EVIDENCE_WORDS = {
     "traced": "tensor storages, traced",
     "measured": "kernel workspace, each kernel run alone",
     "declared": "the CPU RNG state each checkpointed call keeps, torch's size",
+    "analytic": "gathered parameters and communication buffers the sharding engine adds, by its model",
 }
 
 
-def evidence_line(by_evidence: dict[str, int]) -> str:
+_CUDA_EVIDENCE_WORDS = {
+    "traced": "tensor storages, traced with CUDA's kernels substituted",
+    "declared": "the cuBLAS workspace, CUDA's size for the card",
+}
+
+
+def evidence_line(by_evidence: dict[str, int], kernel_kind: str = "cpu") -> str:
     """What the predicted peak is made of, by evidence: what the budget is compared with."""
-    order = [*_EVIDENCE_WORDS, *sorted(set(by_evidence) - set(_EVIDENCE_WORDS))]
-    parts = [f"{k} {by_evidence[k]:,} ({_EVIDENCE_WORDS.get(k, k)})" for k in order if k in by_evidence]
+    words = {**_EVIDENCE_WORDS, **(_CUDA_EVIDENCE_WORDS if kernel_kind == "cuda" else {})}
+    order = [*words, *sorted(set(by_evidence) - set(words))]
+    parts = [f"{k} {by_evidence[k]:,} ({words.get(k, k)})" for k in order if k in by_evidence]
     return "the budget is compared with all of it: " + "; ".join(parts)
 
 
@@ -305,14 +459,28 @@ def verification_text(result: PlanResult) -> Text:
     v = result.verification
     assert v is not None
     yes = {True: "yes", False: "NO"}
-    device = result.predicted.device if result.predicted is not None else "cpu"
+    kind = result.plan.kernel_kind
     budget = f"{v.budget_bytes:,}" if v.budget_bytes is not None else "(none)"
+    where = "" if kind == "cpu" else f" with {kind} kernels; gradients from a real cpu step"
     lines = [
-        "verification (the plan applied, the step traced again):",
+        f"verification (the plan applied, the step traced again{where}):",
         f"  traced peak {v.traced_peak_bytes:,} bytes, predicted {v.predicted_peak_bytes:,}: "
         f"{100 * v.relative_error:+.3f}% ({'agree' if v.agrees else 'DISAGREE'}, limit {100 * AGREEMENT:.0f}%)",
         f"  within the budget {budget}: {yes[v.within_budget]}",
-        f"  gradients bitwise equal to the plain step's (same seed, {device}, dropout on): "
+    ]
+    if v.reserved is not None:
+        r = v.reserved
+        lines.append(
+            f"  re-traced ledger through the allocator model: predicted reserved {r.max_reserved_bytes:,} bytes, "
+            f"fragmentation at the peak {r.fragmentation_bytes:,}"
+            + (
+                f"; within the reserved budget {v.reserved_budget_bytes:,}: {yes[bool(v.reserved_within_budget)]}"
+                if v.reserved_budget_bytes is not None
+                else ""
+            )
+        )
+    lines += [
+        "  gradients bitwise equal to the plain step's (same seed, cpu, dropout on): "
         + (
             f"{yes[v.gradients_bitwise_equal]} ({v.num_gradients - len(v.mismatched)} of {v.num_gradients})"
             if v.num_gradients

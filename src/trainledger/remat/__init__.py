@@ -31,7 +31,15 @@ from trainledger.remat._candidates import (
     replay,
     with_rng_states,
 )
-from trainledger.remat._full import RankPlanner, Sharding, plan_for_instance, solve_per_rank, verify_fake
+from trainledger.remat._full import (
+    InfeasibleReserved,
+    RankPlanner,
+    Sharding,
+    plan_for_instance,
+    solve_per_rank,
+    solve_reserved,
+    verify_fake,
+)
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
 from trainledger.remat._plan import OP_POLICIES, POLICIES, OpPolicy, Plan, Region, structure_fingerprint
 from trainledger.remat._planner import (
@@ -42,6 +50,7 @@ from trainledger.remat._planner import (
     plan,
     plan_and_verify,
 )
+from trainledger.remat._reserved import ReservedFit, reserved_of
 from trainledger.remat._solvers import (
     SOLVERS,
     Chain,
@@ -75,6 +84,7 @@ __all__ = [
     "Chain",
     "CostKind",
     "InfeasibleBudget",
+    "InfeasibleReserved",
     "LinearModel",
     "NoPlan",
     "OpPolicy",
@@ -86,6 +96,7 @@ __all__ = [
     "Point",
     "RankPlanner",
     "Region",
+    "ReservedFit",
     "Sharding",
     "Solution",
     "SolverName",
@@ -105,11 +116,13 @@ __all__ = [
     "plan_for_instance",
     "regions_of",
     "replay",
+    "reserved_of",
     "solve",
     "solve_dp",
     "solve_greedy",
     "solve_milp",
     "solve_per_rank",
+    "solve_reserved",
     "sqrt_n_choice",
     "structure_fingerprint",
     "uniform_chain_model",

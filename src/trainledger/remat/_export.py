@@ -60,6 +60,8 @@ def _header(plan: Any, command: str) -> str:
         f"made by: {command or '(the library: Plan.export_policy)'}",
         f"regions: {len(plan.regions)} ({', '.join(r.label for r in plan.regions) or 'none'})",
     ]
+    if getattr(plan, "kernel_kind", "cpu") == "cuda":  # the peaks above assume CUDA's kernels on that card
+        lines.insert(4, f"kernels: cuda as on {plan.cuda_device} (predicted on fake tensors, not measured)")
     return "".join(f"# {line}\n" for line in lines)
 
 

@@ -24,10 +24,12 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.ledger import Ledger
-from trainledger.remat._candidates import replay
+from trainledger.remat._candidates import replay, with_rng_states
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
 from trainledger.remat._planner import InfeasibleBudget, Planner, _both
+from trainledger.remat._reserved import ReservedFit, reserved_of
 from trainledger.remat._solvers import Solution, SolverName, min_peak
 from trainledger.remat._verify import Compared, Verification, compare_gradients, compare_state, verification_of
 from trainledger.shard import Strategy, shard
@@ -35,6 +37,8 @@ from trainledger.workload import Workload
 
 _MAX_ROUNDS = 8
 """Rounds of lowering the unsharded budget by the sharded overshoot (two suffice on the models seen)."""
+_MAX_RESERVED_ROUNDS = 6
+"""Rounds of lowering the allocated budget by the reserved excess (one or two suffice on the models seen)."""
 _BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -170,19 +174,32 @@ def _on_rank(p: Plan, sharding: Sharding, per_rank: dict[str, int]) -> Plan:
     return replace(p, **per_rank, predicted_peak_bytes=rank.peak().bytes, predicted=rank, notes=(*p.notes, note))
 
 
-def verify_fake(workload: Workload, plan: Plan, sharding: Sharding, *, small: Workload | None = None) -> Verification:
-    """Apply ``plan`` to the fake ``workload``, trace its step again on fake tensors, shard it as the plan
-    was made, and compare the fullest rank's traced peak with the prediction; gradients and state are
-    compared on ``small``, a real instance of the same architecture (see :func:`plan_for_instance`).
+def verify_fake(
+    workload: Workload,
+    plan: Plan,
+    sharding: Sharding,
+    *,
+    small: Workload | None = None,
+    allocator: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
+    reserved_budget_bytes: int | None = None,
+) -> Verification:
+    """Apply ``plan`` to the fake ``workload``, trace its step again on fake tensors with the kernels the plan was
+    made with (``plan.kernel_kind``), shard it as the plan was made, and compare the fullest rank's traced peak
+    with the prediction; gradients and state are compared on ``small``, a real instance of the same
+    architecture (see :func:`plan_for_instance`).
 
     Without ``small`` nothing is compared: the counts are 0 and the comparison reads as not failed.
+
+    ``allocator``: also replay the re-traced ledger (the fullest rank's) through the allocator model, judged
+    against ``capacity_bytes`` and, with ``reserved_budget_bytes``, against a budget on reserved memory.
     """
     from trainledger.trace import trace
 
     model = workload.model
     plan.apply(model)
-    try:
-        traced = trace(workload, fake=True)
+    try:  # under the kernels the plan was made with (``Plan.kernel_kind``)
+        traced = trace(workload, fake=True, kernel_kind=plan.kernel_kind, cuda_device=plan.cuda_device)  # type: ignore[arg-type]
         runs = plan.runs(model)
     finally:
         plan.remove(model)
@@ -191,7 +208,17 @@ def verify_fake(workload: Workload, plan: Plan, sharding: Sharding, *, small: Wo
     if small is not None:
         small_plan = plan_for_instance(plan, small.model)
         gradients, state = compare_gradients(small, small_plan), compare_state(small, small_plan)
-    return verification_of(plan, sharding.rank_ledger(traced), runs, gradients, state)
+    rank = sharding.rank_ledger(traced)
+    v = verification_of(plan, rank, runs, gradients, state)
+    if allocator is None:
+        return v
+    reserved = predict_reserved(
+        with_rng_states(rank, plan.regions),
+        kernel_kind=plan.kernel_kind,
+        config=allocator,
+        capacity_bytes=capacity_bytes,
+    )
+    return replace(v, reserved=reserved, reserved_budget_bytes=reserved_budget_bytes)
 
 
 def plan_for_instance(plan: Plan, model: nn.Module) -> Plan:
@@ -222,3 +249,73 @@ def plan_for_instance(plan: Plan, model: nn.Module) -> Plan:
         if path in modules and path not in regions and not nested:
             regions[path] = replace(r, path=path)
     return replace(plan, regions=tuple(regions.values()), fingerprint=structure_fingerprint(model), predicted=None)
+
+
+class InfeasibleReserved(InfeasibleBudget):
+    """No allocated budget tried gets the predicted reserved peak within the budget. ``best`` is the plan with
+    the lowest predicted reserved peak reached, ``best_reserved_bytes`` that peak."""
+
+    def __init__(self, message: str, *, budget_bytes: int, floor_bytes: int, best: Plan, best_reserved_bytes: int):
+        super().__init__(message, budget_bytes=budget_bytes, floor_bytes=floor_bytes, best=best)
+        self.best_reserved_bytes = best_reserved_bytes
+
+
+def solve_reserved(
+    planner: Planner,
+    budget_bytes: int,
+    sharding: Sharding,
+    *,
+    config: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
+    solver: SolverName = "auto",
+    time_limit_s: float = 20.0,
+    max_rounds: int = _MAX_RESERVED_ROUNDS,
+) -> tuple[Plan, ReservedFit]:
+    """The cheapest plan found whose predicted reserved peak (the allocator model replaying the plan's ledger)
+    is within ``budget_bytes``, by lowering the allocated budget by each round's excess.
+
+    Arguments:
+        config: the allocator's options (``PYTORCH_ALLOC_CONF``; default PyTorch's).
+        capacity_bytes: the device's usable memory, for the allocator model's verdict (``None``: no limit).
+
+    Returns:
+        The plan (its ``budget_bytes`` the reserved budget) and how it was fitted.
+
+    Raises:
+        InfeasibleReserved: no allocated budget down to the floor brings reserved within the budget; it
+            carries the plan with the lowest reserved peak reached.
+    """
+    config = config if config is not None else AllocatorConfig()
+    rank_planner = None if sharding.trivial else RankPlanner.of(planner, sharding)
+    target = budget_bytes
+    best: tuple[Plan, ReservedPrediction] | None = None
+    for num_rounds in range(1, max_rounds + 1):
+        try:
+            p = solve_per_rank(
+                planner, target, sharding, solver=solver, time_limit_s=time_limit_s, rank_planner=rank_planner
+            )
+            at_floor = False
+        except InfeasibleBudget as exc:  # the allocated budget fell below the floor: the floor plan is the last try
+            p, at_floor = exc.best, True
+        prediction = reserved_of(p, config=config, capacity_bytes=capacity_bytes)
+        if best is None or prediction.max_reserved_bytes < best[1].max_reserved_bytes:
+            best = (p, prediction)
+        over = prediction.max_reserved_bytes - budget_bytes
+        if over <= 0:
+            fit = ReservedFit(budget_bytes, target, num_rounds, prediction)
+            return replace(p, budget_bytes=budget_bytes), fit
+        if at_floor:
+            break
+        target = max(target - over, 1)
+    assert best is not None
+    plan, prediction = best
+    raise InfeasibleReserved(
+        f"budget {_both(budget_bytes)} on reserved memory is not met: the lowest predicted reserved peak reached "
+        f"is {_both(prediction.max_reserved_bytes)} (allocated {_both(plan.predicted_peak_bytes or 0)}, "
+        f"{len(plan.regions)} regions recomputed, after {num_rounds} rounds of lowering the allocated budget); "
+        "raise the budget, shard more, or try --allocator expandable_segments:True",
+        budget_bytes=budget_bytes,
+        floor_bytes=plan.floor_bytes or 0,
+        best=plan,
+        best_reserved_bytes=prediction.max_reserved_bytes,
+    )

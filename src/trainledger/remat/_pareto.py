@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from trainledger.allocator import AllocatorConfig, predict_reserved
 from trainledger.checks import MAX_BUDGETS, one_of, positive_number, whole_number
+from trainledger.devices import Device, KernelKind
 from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
 from trainledger.remat._baselines import Baseline
@@ -48,6 +50,8 @@ class Point:
     gradients_bitwise_equal: bool | None = None
     extra_other_flops: int = 0
     """The cost charged to the recomputed ops ``FlopCounterMode`` counts 0 (one FLOP per output element)."""
+    reserved_peak_bytes: int | None = None
+    """With the allocator model on: the plan's predicted ``max_memory_reserved`` (``None``: not predicted)."""
 
     def cost(self, kind: CostKind) -> float:
         """What the solver minimised: measured seconds, or FLOPs with the other ops' charge."""
@@ -65,6 +69,7 @@ class Point:
             "traced_peak_bytes": self.traced_peak_bytes,
             "gradients_bitwise_equal": self.gradients_bitwise_equal,
             "extra_other_flops": self.extra_other_flops,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
         }
 
     @classmethod
@@ -124,6 +129,10 @@ class ParetoResult:
     """The named baselines (no recomputation, full per block, Megatron selective, op-level SAC per block)."""
     at_baselines: tuple[Point | None, ...] = ()
     """Per baseline, our plan with its peak as the budget (``None``: the baseline is not expressible)."""
+    kernel_kind: str = "cpu"
+    """Whose kernels the plain step was traced with (``cuda``: CUDA's, substituted on fake tensors)."""
+    cuda_device: str | None = None
+    """With ``cuda``: the card assumed."""
 
     def to_dict(self) -> dict[str, Any]:
         out = self.plain.to_dict()
@@ -143,6 +152,8 @@ class ParetoResult:
                     {**b.to_dict(), "ours": None if o is None else o.to_dict()}
                     for b, o in zip(self.baselines, self.at_baselines, strict=True)
                 ],
+                "kernel_kind": self.kernel_kind,
+                "cuda_device": self.cuda_device,
                 **self.extra,
             }
         )
@@ -169,6 +180,8 @@ class ParetoResult:
             at_baselines=tuple(
                 None if b.get("ours") is None else Point.from_dict(b["ours"]) for b in data.get("baselines", ())
             ),
+            kernel_kind=str(data.get("kernel_kind", "cpu")),  # sweeps saved before kernel kinds: cpu
+            cuda_device=data.get("cuda_device"),
         )
 
 
@@ -206,6 +219,10 @@ def pareto(
     time_limit_s: float = 20.0,
     fake: bool = False,
     sharding: Sharding | None = None,
+    kernel_kind: KernelKind = "cpu",
+    cuda_device: str | Device | None = None,
+    allocator: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
 ) -> ParetoResult:
     """Sweep ``num_budgets`` budgets from the plain step's traced peak down to the floor.
 
@@ -213,6 +230,9 @@ def pareto(
         verify: apply each of our plans, trace the step again and compare gradients with the plain step's.
         fake: trace on fake tensors (full size; ``cost`` must be ``flops``; no ``verify``).
         sharding: peaks per rank of the step sharded so (see :func:`~trainledger.remat.solve_per_rank`).
+        kernel_kind, cuda_device: as for :func:`trainledger.trace.trace` (``cuda``: on fake tensors, cost flops).
+        allocator: replay each of our plans through the caching allocator's model: its predicted reserved
+            peak (``Point.reserved_peak_bytes``), ``capacity_bytes`` the device's usable memory.
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -226,9 +246,43 @@ def pareto(
     )
     one_of(cost, "cost", COSTS)
     positive_number(time_limit_s, "time limit", unit="seconds")
-    if fake and verify:
+    if (fake or kernel_kind == "cuda") and verify:
         raise InputError("pareto on fake tensors cannot verify each plan; verify one with plan --fake --verify")
-    planner = Planner.build(workload, cost=cost, fake=fake)
+    planner = Planner.build(workload, cost=cost, fake=fake, kernel_kind=kernel_kind, cuda_device=cuda_device)
+    result = _sweep(planner, workload, num_budgets, verify, time_limit_s, sharding)
+    result = replace(result, kernel_kind=planner.kernel_kind, cuda_device=planner.cuda_device)
+    if allocator is None:
+        return result
+    return with_reserved(result, planner, sharding or Sharding(), allocator, capacity_bytes)
+
+
+def with_reserved(
+    result: ParetoResult, planner: Planner, sharding: Sharding, config: AllocatorConfig, capacity_bytes: int | None
+) -> ParetoResult:
+    """``result`` with each of our plans' predicted reserved peak: its ledger replayed on the plain step
+    (the fullest rank's when sharded) and through the caching allocator's model."""
+    cs = planner.candidates
+
+    def reserved(point: Point | None) -> Point | None:
+        if point is None:
+            return None
+        choice = tuple(j for j, c in enumerate(cs.candidates) if c.name in point.regions)
+        ledger = sharding.rank_ledger(replay(cs, choice))
+        p = predict_reserved(ledger, kernel_kind=planner.kernel_kind, config=config, capacity_bytes=capacity_bytes)
+        return replace(point, reserved_peak_bytes=p.max_reserved_bytes)
+
+    rows = tuple(replace(r, ours=reserved(r.ours)) for r in result.rows)
+    return replace(result, rows=rows)
+
+
+def _sweep(
+    planner: Planner,
+    workload: Workload,
+    num_budgets: int,
+    verify: bool,
+    time_limit_s: float,
+    sharding: Sharding | None,
+) -> ParetoResult:
     if sharding is not None and not sharding.trivial:
         return pareto_per_rank(planner, sharding, num_budgets=num_budgets, time_limit_s=time_limit_s)
     budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
@@ -261,7 +315,7 @@ def pareto(
         rows=tuple(rows),
         uniform=_fixed(planner, "uniform", blocks),
         sqrt_n=_fixed(planner, "sqrt-n", sqrt_n_choice(blocks)),
-        cost=cost,
+        cost=planner.cost,
         candidate_notes=tuple(planner.candidates.notes),
         extra={"torch_sac_ilp": SAC_NOT_RUN},
         planner=planner,

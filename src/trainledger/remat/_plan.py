@@ -224,6 +224,11 @@ class Plan:
     floor_bytes: int | None = None
     """The lowest peak any plan of this kind reaches on this model."""
     notes: tuple[str, ...] = ()
+    kernel_kind: str = "cpu"
+    """Whose kernels the step was traced with: ``cpu`` (the ones that run here) or ``cuda`` (PyTorch's CUDA
+    kernels substituted on fake tensors, :func:`trainledger.trace.trace`'s ``kernel_kind``)."""
+    cuda_device: str | None = None
+    """With ``cuda``: the card of the device table whose kernels were assumed (``None`` with ``cpu``)."""
 
     # --- running it ------------------------------------------------------------------------------------
 
@@ -352,6 +357,8 @@ class Plan:
                 "lp_bound": self.lp_bound,
                 "floor_bytes": self.floor_bytes,
                 "plan_notes": list(self.notes),
+                "kernel_kind": self.kernel_kind,
+                "cuda_device": self.cuda_device,
             }
         )
         return out
@@ -378,6 +385,8 @@ class Plan:
                 lp_bound=data.get("lp_bound"),
                 floor_bytes=data.get("floor_bytes"),
                 notes=tuple(data.get("plan_notes", ())),
+                kernel_kind=str(data.get("kernel_kind", "cpu")),  # plans saved before kernel kinds: cpu
+                cuda_device=data.get("cuda_device"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the plan file is missing {exc}; save plans with `trainledger plan --save`") from exc

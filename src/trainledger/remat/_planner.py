@@ -9,9 +9,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainledger.checks import one_of, positive_number
+from trainledger.devices import Device, KernelKind, lookup
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._baselines import Baseline, baseline_choices
@@ -31,6 +32,9 @@ from trainledger.remat._plan import Plan, Region, structure_fingerprint
 from trainledger.remat._solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
 from trainledger.remat._verify import Verification
 from trainledger.trace import ForwardRecord, record_forward
+
+if TYPE_CHECKING:
+    from trainledger.remat._reserved import ReservedFit
 from trainledger.units import format_bytes
 from trainledger.workload import Workload, require_workload
 
@@ -64,6 +68,10 @@ class Planner:
     """Persistent state plus the largest single op's outputs: no plan of any kind goes below it."""
     initial_state: tuple[dict[str, Any], dict[str, Any]] | None = None
     """Model and optimizer state before the plain step was traced (tracing takes optimizer steps)."""
+    kernel_kind: KernelKind = "cpu"
+    """Whose kernels the plain step was traced with (``cuda``: CUDA's, substituted on fake tensors)."""
+    cuda_device: str | None = None
+    """With ``cuda``: the card's name in the device table."""
 
     def restore(self) -> None:
         """Put the model and optimizer back in the state the plain step was traced from, so a re-trace
@@ -76,30 +84,47 @@ class Planner:
 
     @classmethod
     def build(
-        cls, workload: Workload, *, cost: CostKind = "seconds", plain: Ledger | None = None, fake: bool = False
+        cls,
+        workload: Workload,
+        *,
+        cost: CostKind = "seconds",
+        plain: Ledger | None = None,
+        fake: bool = False,
+        kernel_kind: KernelKind = "cpu",
+        cuda_device: str | Device | None = None,
     ) -> Planner:
         """Trace ``workload`` (unless ``plain`` is given) and find its candidates.
 
         ``fake``: trace and record on fake tensors (full size, nothing allocated); the costs are then FLOPs
         alone (nothing runs, so nothing is timed) and ``cost`` must be ``"flops"``.
-        """
-        from trainledger.trace import trace
 
-        if fake and cost != "flops":
-            raise InputError("a plan on fake tensors minimises FLOPs (nothing runs, nothing is timed): use cost flops")
+        ``kernel_kind``, ``cuda_device``: as for :func:`trainledger.trace.trace`. With ``cuda`` the plain step
+        and the recorded forward run CUDA's kernels on fake tensors, so the candidates, their bytes and the
+        plain peak are the CUDA step's; nothing runs on a card, so ``cost`` must be ``"flops"``.
+        """
+        from trainledger.trace import cuda_device_of, trace
+
+        gpu = cuda_device_of(kernel_kind, cuda_device)
+        if (fake or gpu is not None) and cost != "flops":
+            what = "CUDA's kernels, which do not run here" if gpu is not None else "fake tensors"
+            raise InputError(f"a plan on {what} minimises FLOPs (nothing runs, nothing is timed): use cost flops")
         initial = None
+        kinds: dict[str, Any] = {"kernel_kind": kernel_kind, "cuda_device": gpu}
         if plain is None:
-            if not fake:
+            if not fake and gpu is None:
                 initial = (
                     copy.deepcopy(workload.model.state_dict()),
                     copy.deepcopy(workload.get_optimizer().state_dict()),
                 )
-            plain = trace(workload, fake=fake)
-        record = record_forward(workload, fake=fake)
+            plain = trace(workload, fake=fake, **kinds)
+        record = record_forward(workload, fake=fake, **kinds)
         cs = find_candidates(plain, workload.model, record)
         lm = linear_model(cs, cost=cost)
         floor, choice = min_peak(lm)
-        return cls(workload, plain, record, cs, lm, cost, floor, choice, _state_floor(plain), initial)
+        name = gpu.name if gpu is not None else None
+        return cls(
+            workload, plain, record, cs, lm, cost, floor, choice, _state_floor(plain), initial, kernel_kind, name
+        )
 
     @property
     def plain_peak_bytes(self) -> int:
@@ -126,6 +151,8 @@ class Planner:
             lp_bound=sol.lp_bound,
             floor_bytes=self.floor_bytes,
             notes=(*cs.notes, *sol.notes),
+            kernel_kind=self.kernel_kind,
+            cuda_device=self.cuda_device,
         )
 
     def solve(self, budget: Budget | str | int, *, solver: SolverName = "auto", time_limit_s: float = 20.0) -> Plan:
@@ -276,6 +303,11 @@ class PlanResult:
     baselines: tuple[Baseline, ...] = ()
     """The named baselines on the same step (no recomputation, full per block, Megatron selective, op-level
     SAC per block), to set beside the plan."""
+    reserved: ReservedFit | None = None
+    """The allocator model's prediction for the plan, and how a budget on reserved memory was met (``None``:
+    the allocator model was off)."""
+    device: Device | None = None
+    """The accelerator the plan is judged against (``--device``): its usable memory; ``None``: none named."""
 
     def recomputed(self) -> tuple[tuple[Region, CandidateCost | None], ...]:
         """The plan's regions, each with its candidate's costs (``None``: not saved with the plan)."""
@@ -296,6 +328,9 @@ class PlanResult:
         out["candidates"] = [c.to_dict() for c in self.candidates]
         out["baselines"] = [b.to_dict() for b in self.baselines]
         out["peak_by_evidence"] = self.peak_by_evidence
+        out["reserved"] = self.reserved.to_dict() if self.reserved is not None else None
+        d = self.device
+        out["target_device"] = None if d is None else {"name": d.name, "usable_bytes": d.usable_bytes}
         if self.verification is not None:
             if self.predicted is not None:
                 out["predicted"] = self.predicted.to_dict()
@@ -309,6 +344,8 @@ class PlanResult:
 
         With a verification the top level is the re-traced step and the prediction is under ``predicted``.
         """
+        from trainledger.remat._reserved import ReservedFit
+
         predicted = data.get("predicted", data)
         verification = None
         if "verification" in data:
@@ -321,6 +358,8 @@ class PlanResult:
             predicted=LedgerSummary.from_dict(predicted) if "peak" in predicted else None,
             baselines=tuple(Baseline.from_dict(b) for b in data.get("baselines", ())),
             peak_by_evidence=data.get("peak_by_evidence"),
+            reserved=ReservedFit.from_dict(data["reserved"]) if data.get("reserved") else None,
+            device=lookup(data["target_device"]["name"]) if data.get("target_device") else None,
         )
 
 

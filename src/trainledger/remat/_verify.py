@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from trainledger.allocator import ReservedPrediction
 from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan
 from trainledger.workload import Workload, call_model, compute_loss, run_step
@@ -49,6 +50,10 @@ class Verification:
     plain_step_seconds: float | None
     planned_step_seconds: float | None
     """Medians over repeated untraced steps (``None``: not timed)."""
+    reserved: ReservedPrediction | None = None
+    """The allocator model's prediction for the re-traced ledger (``None``: the allocator model was off)."""
+    reserved_budget_bytes: int | None = None
+    """With a budget on reserved memory: that budget, which ``reserved`` must meet too."""
 
     @property
     def relative_error(self) -> float:
@@ -60,7 +65,15 @@ class Verification:
 
     @property
     def within_budget(self) -> bool:
-        return self.budget_bytes is None or self.traced_peak_bytes <= self.budget_bytes
+        allocated = self.budget_bytes is None or self.traced_peak_bytes <= self.budget_bytes
+        return allocated and self.reserved_within_budget is not False
+
+    @property
+    def reserved_within_budget(self) -> bool | None:
+        """Whether the re-traced step's predicted reserved peak meets the reserved budget (``None``: none set)."""
+        if self.reserved is None or self.reserved_budget_bytes is None:
+            return None
+        return self.reserved.max_reserved_bytes <= self.reserved_budget_bytes
 
     @property
     def passed(self) -> bool:
@@ -93,6 +106,8 @@ class Verification:
             "plain_step_seconds": self.plain_step_seconds,
             "planned_step_seconds": self.planned_step_seconds,
             "extra_step_seconds": self.extra_step_seconds,
+            "traced_reserved": self.reserved.to_dict() if self.reserved is not None else None,
+            "reserved_budget_bytes": self.reserved_budget_bytes,
         }
 
     @classmethod
@@ -112,6 +127,8 @@ class Verification:
             not_run=tuple(data["regions_not_run"]),
             plain_step_seconds=_seconds(data["plain_step_seconds"]),
             planned_step_seconds=_seconds(data["planned_step_seconds"]),
+            reserved=ReservedPrediction.from_dict(data["traced_reserved"]) if data.get("traced_reserved") else None,
+            reserved_budget_bytes=data.get("reserved_budget_bytes"),
         )
 
 

@@ -58,10 +58,14 @@ class ForwardRecord:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, scopes: ModuleScopes, flop_registry: dict[Any, Any]) -> None:
+    def __init__(
+        self, scopes: ModuleScopes, flop_registry: dict[Any, Any], substitutes: dict[Any, Any] | None = None
+    ) -> None:
         super().__init__()
         self.scopes = scopes
         self.registry = flop_registry
+        self.substitutes = substitutes or {}
+        """Ops whose outputs CUDA's kernels make otherwise (as the tracer's ``substitutes``)."""
         self.ops: list[str] = []
         self.modules: list[str] = []
         self.flops: list[int] = []
@@ -91,6 +95,8 @@ class _Recorder(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         self.seconds.append(time.perf_counter() - start)
+        if func in self.substitutes:
+            out = self.substitutes[func](out)
         self.ops.append(str(func).removesuffix(".default"))
         self.modules.append(self.scopes.current)
         self.inputs.append(tuple(sorted(set(reads))))
@@ -134,7 +140,14 @@ class _Recorder(TorchDispatchMode):
         return None  # keep nothing: tensors live only as long as Python holds them
 
 
-def record_forward(workload: Workload, *, repeats: int = 7, fake: bool = False) -> ForwardRecord:
+def record_forward(
+    workload: Workload,
+    *,
+    repeats: int = 7,
+    fake: bool = False,
+    kernel_kind: str = "cpu",
+    cuda_device: Any = None,
+) -> ForwardRecord:
     """Run the step's forward (model and loss) ``repeats + 1`` times with autograd saving nothing.
 
     The first run warms up; per-op times are medians of the others. Nothing is updated (no backward, no
@@ -142,7 +155,12 @@ def record_forward(workload: Workload, *, repeats: int = 7, fake: bool = False) 
 
     ``fake``: run once on fake tensors (as ``trace(fake=True)``): lifetimes, savers and FLOPs are exact,
     the times are those of fake kernels (nothing is computed) and mean nothing.
+
+    ``kernel_kind``, ``cuda_device``: as for :func:`trainledger.trace.trace`; with ``cuda`` the forward runs on
+    fake tensors with CUDA's kernels substituted, so that it lines up op for op with a CUDA-kind trace.
     """
+    if kernel_kind == "cuda":
+        return _record_cuda(workload, cuda_device)
     if fake:
         from trainledger.trace._fake import fake_workload
 
@@ -168,13 +186,32 @@ def record_forward(workload: Workload, *, repeats: int = 7, fake: bool = False) 
     return _combine(runs)
 
 
-def _record_runs(workload: Workload, roots: list[tuple[str, nn.Module]], runs: list[_Recorder], repeats: int) -> None:
+def _record_cuda(workload: Workload, name: Any) -> ForwardRecord:
+    """The forward on fake tensors under CUDA's kernels (:mod:`trainledger.trace._cuda`), recorded once."""
+    from trainledger.trace._cuda import DISPATCH_SUBSTITUTES, CudaKernels, cuda_device
+    from trainledger.trace._fake import fake_workload
+
+    with fake_workload(workload) as (twin, mode), mode:
+        roots = [("", twin.model)] + ([("reference", twin.reference)] if twin.reference is not None else [])
+        runs: list[_Recorder] = []
+        with CudaKernels(cuda_device(name), autocast=twin.autocast_dtype is not None):
+            _record_runs(twin, roots, runs, 0, substitutes=DISPATCH_SUBSTITUTES)
+        return _combine(runs[-1:])
+
+
+def _record_runs(
+    workload: Workload,
+    roots: list[tuple[str, nn.Module]],
+    runs: list[_Recorder],
+    repeats: int,
+    substitutes: dict[Any, Any] | None = None,
+) -> None:
     from torch.utils.flop_counter import flop_registry
 
     model = workload.model
     for _ in range(max(1, repeats) + 1):
         scopes = ModuleScopes(roots)
-        rec = _Recorder(scopes, flop_registry)
+        rec = _Recorder(scopes, flop_registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
         scopes.open()
         try:
