@@ -169,6 +169,36 @@ def test_an_exported_op_level_plan_runs_as_the_plan_does_without_trainledger(tmp
 
 
 @pytest.mark.slow
+def test_an_op_sac_block_before_a_recomputed_region_peaks_as_predicted_under_the_profiler(tmp_path):
+    """blocks.2 (op-sac) with blocks.3.attn (full) peaks in blocks.2's backward, after the residual stream's
+    gradient has been accumulated into twice: the prediction, the re-traced step (with the RNG states) and the
+    profiler's peak in a fresh process agree. Before chained accumulations were folded into one buffer, the
+    prediction and the re-trace both left that gradient out (65,536 bytes under the profiler's peak)."""
+    from tests.test_export_policy import run_child
+
+    w = gpt_tiny()
+    p = Planner.build(w, cost="flops")
+    cs = p.candidates
+    choice = [cs.index(Region("blocks.2", "op-sac")), cs.index(Region("blocks.3.attn"))]
+    plan = Plan(regions=regions_of(cs, choice), fingerprint=structure_fingerprint(w.model), model="gpt-tiny")
+    predicted = replay(cs, choice).peak()
+    p.restore()
+    plan.apply(w.model)
+    try:
+        retraced = with_rng_states(trace(w), plan.regions)
+    finally:
+        plan.remove(w.model)
+    traced = retraced.peak()
+    assert retraced.events[traced.event].module.startswith("blocks.2")  # the chain's third block, backward
+    assert abs(predicted.bytes - traced.bytes) <= 256  # the recomputed dropout's mask, as elsewhere
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    plan.save(tmp_path / "plan.json")
+    profiled, _ = run_child(path, "gpt-tiny", tmp_path / "plan.json")
+    assert 0 <= profiled - traced.bytes <= 64, (profiled, traced.bytes)  # small buffers made outside dispatch
+
+
+@pytest.mark.slow
 def test_the_solver_is_never_above_a_named_baseline():
     from trainledger.remat import pareto
 
