@@ -565,7 +565,9 @@
   }
 
   var MARKERS = ["circle", "cross", "square", "diamond", "triangle"];
-  var SERIES_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00"];
+  // five markers against nine colours: the first 45 series differ in one or the other (the named baselines
+  // follow the five methods of a sweep)
+  var SERIES_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999", "#882255"];
 
   function marker(kind, cx, cy, color) {
     var r = 5;
