@@ -139,6 +139,26 @@ def test_each_policy_on_every_block_predicts_the_retraced_peak_and_keeps_gradien
 
 
 @pytest.mark.slow
+def test_a_checkpoint_keeps_every_tensor_argument_of_its_call_as_predicted():
+    """A Hugging Face decoder layer is called with ``cache_position`` (int64, 2,048 bytes at 256 tokens;
+    65,536 bytes for Llama-3-8B at 2 x 8,192), which none of its ops read: the checkpoint keeps it until the
+    layer's backward ends all the same, and the prediction now does too (it was 2,048 bytes short)."""
+    p = _planner("llama-small")
+    cs, w = p.candidates, p.workload
+    choice = list(cs.blocks)  # every decoder layer, whole
+    predicted = replay(cs, choice).peak().bytes
+    plan = Plan(regions=regions_of(cs, choice), fingerprint=structure_fingerprint(w.model))
+    p.restore()
+    plan.apply(w.model)
+    try:
+        traced = with_rng_states(trace(w), plan.regions).peak().bytes
+    finally:
+        plan.remove(w.model)
+    p.restore()
+    assert predicted == traced
+
+
+@pytest.mark.slow
 def test_an_exported_op_level_plan_runs_as_the_plan_does_without_trainledger(tmp_path):
     from tests.test_export_policy import gradients, load, run_child, traced_peak
 
