@@ -139,6 +139,26 @@ def test_each_policy_on_every_block_predicts_the_retraced_peak_and_keeps_gradien
 
 
 @pytest.mark.slow
+def test_a_checkpoint_keeps_every_tensor_argument_of_its_call_as_predicted():
+    """A Hugging Face decoder layer is called with ``cache_position`` (int64, 2,048 bytes at 256 tokens;
+    65,536 bytes for Llama-3-8B at 2 x 8,192), which none of its ops read: the checkpoint keeps it until the
+    layer's backward ends all the same, and the prediction now does too (it was 2,048 bytes short)."""
+    p = _planner("llama-small")
+    cs, w = p.candidates, p.workload
+    choice = list(cs.blocks)  # every decoder layer, whole
+    predicted = replay(cs, choice).peak().bytes
+    plan = Plan(regions=regions_of(cs, choice), fingerprint=structure_fingerprint(w.model))
+    p.restore()
+    plan.apply(w.model)
+    try:
+        traced = with_rng_states(trace(w), plan.regions).peak().bytes
+    finally:
+        plan.remove(w.model)
+    p.restore()
+    assert predicted == traced
+
+
+@pytest.mark.slow
 def test_an_exported_op_level_plan_runs_as_the_plan_does_without_trainledger(tmp_path):
     from tests.test_export_policy import gradients, load, run_child, traced_peak
 
@@ -166,6 +186,36 @@ def test_an_exported_op_level_plan_runs_as_the_plan_does_without_trainledger(tmp
     assert want.keys() == got.keys() and want and all(torch.equal(want[n], got[n]) for n in want)
     _, child = run_child(path, "gpt-tiny")  # a fresh process where trainledger cannot be imported
     assert child.keys() == want.keys() and all(torch.equal(want[n], child[n]) for n in want)
+
+
+@pytest.mark.slow
+def test_an_op_sac_block_before_a_recomputed_region_peaks_as_predicted_under_the_profiler(tmp_path):
+    """blocks.2 (op-sac) with blocks.3.attn (full) peaks in blocks.2's backward, after the residual stream's
+    gradient has been accumulated into twice: the prediction, the re-traced step (with the RNG states) and the
+    profiler's peak in a fresh process agree. Before chained accumulations were folded into one buffer, the
+    prediction and the re-trace both left that gradient out (65,536 bytes under the profiler's peak)."""
+    from tests.test_export_policy import run_child
+
+    w = gpt_tiny()
+    p = Planner.build(w, cost="flops")
+    cs = p.candidates
+    choice = [cs.index(Region("blocks.2", "op-sac")), cs.index(Region("blocks.3.attn"))]
+    plan = Plan(regions=regions_of(cs, choice), fingerprint=structure_fingerprint(w.model), model="gpt-tiny")
+    predicted = replay(cs, choice).peak()
+    p.restore()
+    plan.apply(w.model)
+    try:
+        retraced = with_rng_states(trace(w), plan.regions)
+    finally:
+        plan.remove(w.model)
+    traced = retraced.peak()
+    assert retraced.events[traced.event].module.startswith("blocks.2")  # the chain's third block, backward
+    assert abs(predicted.bytes - traced.bytes) <= 256  # the recomputed dropout's mask, as elsewhere
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    plan.save(tmp_path / "plan.json")
+    profiled, _ = run_child(path, "gpt-tiny", tmp_path / "plan.json")
+    assert 0 <= profiled - traced.bytes <= 64, (profiled, traced.bytes)  # small buffers made outside dispatch
 
 
 @pytest.mark.slow

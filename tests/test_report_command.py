@@ -407,6 +407,82 @@ def test_trace_writes_the_page(cli, tmp_path):
     assert data["summary"]["peak"]["bytes"] == 1_061_248  # the README's figure for mlp
 
 
+def _terminal_row(text: str, label: str) -> str:
+    """The line of a printed table whose first cell starts ``label`` (a long label wraps onto more lines)."""
+
+    def first_cell(line: str) -> str:
+        cells = line.split("│")
+        return cells[1].strip() if len(cells) > 2 else line.strip()[:30]
+
+    return next(line for line in text.splitlines() if first_cell(line) and label.startswith(first_cell(line)))
+
+
+def _baselines_on_the_page(data: dict, title: str, peak_col: str, cost_col: str) -> dict[str, tuple]:
+    """Per baseline label: its point on the chart (``None``: not drawn) and its table row's peak and cost."""
+    table = next(t for t in data["tables"] if t["title"].startswith(title))
+    cols = [c["label"] for c in table["columns"]]
+    series = {s["name"]: s["points"] for s in data["pareto"]["series"]}
+    return {
+        row[0]: (series.get(row[0]), row[cols.index(peak_col)], row[cols.index(cost_col)])
+        for row in table["rows"]
+        if row[0] != "this plan"
+    }
+
+
+@pytest.mark.slow
+def test_plan_pages_show_the_named_baselines_as_the_terminal_does(cli, tmp_path, small_gpt):
+    saved = tmp_path / "plan.json"
+    code, text, err = cli("plan", "--model", small_gpt, "--budget", "80%", "--save", str(saved))
+    assert code == 0, err
+    baselines = json.loads(saved.read_text())["baselines"]
+    page = tmp_path / "plan.html"
+    _report(cli, str(saved), "--html", str(page))
+    shown = _baselines_on_the_page(
+        _page_data(page.read_text()), "beside the plans people use", "peak bytes", "extra FLOPs"
+    )
+    assert sorted(shown) == sorted(b["label"] for b in baselines)
+    drawn = 0
+    for b in baselines:
+        points, peak, flops = shown[b["label"]]
+        assert (peak, flops) == ((b["peak_bytes"], b["extra_flops"]) if b["peak_bytes"] is not None else (None, None))
+        if b["peak_bytes"] is None:  # not expressible on this model (the GPT's unfused attention: Megatron's)
+            assert points is None and b["note"]
+            continue
+        assert [(p["peak_bytes"], p["extra_flops"], p["extra_other_flops"]) for p in points] == [
+            (b["peak_bytes"], b["extra_flops"], b["extra_other_flops"])
+        ]
+        row = _terminal_row(text, b["label"])
+        assert f"{b['peak_bytes']:,}" in row and f"{b['extra_flops']:,}" in row, row
+        drawn += 1
+    assert drawn == 3  # no recomputation, full per block, op-level SAC
+
+
+@pytest.mark.slow
+def test_pareto_pages_show_the_named_baselines_as_the_terminal_does():
+    from trainledger.commands import pareto as pareto_cmd
+    from trainledger.examples import gpt_tiny as build
+    from trainledger.remat import pareto
+    from trainledger.report.saved import Saved
+
+    result = pareto(build(n_layer=2, seq_len=32), num_budgets=2, cost="flops")
+    text = _rendered(pareto_cmd.render, result)
+    data = _page_data(html_page(Saved("pareto", result, ())))
+    shown = _baselines_on_the_page(data, "named baselines", "peak", "its extra FLOPs")
+    assert sorted(shown) == sorted(b.label for b in result.baselines)
+    drawn = 0
+    for b, ours in zip(result.baselines, result.at_baselines, strict=True):
+        points, peak, cost = shown[b.label]
+        if b.peak_bytes is None:
+            assert (points, peak, cost) == (None, None, None)
+            continue
+        assert (peak, cost) == (b.peak_bytes, b.cost_flops)
+        assert [(p["peak_bytes"], p["extra_flops"] + p["extra_other_flops"]) for p in points] == [(peak, cost)]
+        row = _terminal_row(text, b.label)
+        assert f"{b.peak_bytes:,}" in row and f"{b.cost_flops:,}" in row and f"{ours.peak_bytes:,}" in row, row
+        drawn += 1
+    assert drawn == 3
+
+
 def test_every_kind_gets_a_page(cli, tmp_path, rank_folder):
     for name in ("state-model", "estimate", "fit", "shard-params-all", "trace-sharded"):
         path, original, _ = _saved(cli, tmp_path, f"{name}.json", *DETERMINISTIC[name])
@@ -618,3 +694,9 @@ def test_every_kind_renders_in_a_browser(cli, tmp_path, rank_folder, small_gpt):
         dom = _dump_dom(tmp_path, page)
         m = re.search(r'id="peak-bytes" data-bytes="(\d+)"', dom)
         assert m is not None and int(m.group(1)) == peak, name
+        if name in ("plan", "pareto"):  # each baseline the model can express is a marker on the drawn chart
+            chart = re.search(r'<svg[^>]*id="pareto-chart".*?</svg>', dom, re.S)
+            assert chart is not None, name
+            labels = [b["label"] for b in json.loads(path.read_text())["baselines"] if b["peak_bytes"] is not None]
+            titles = re.findall(r"<title>([^<]*)</title>", chart.group(0))
+            assert len(labels) == 3 and all(any(t.startswith(label + ": peak") for t in titles) for label in labels)

@@ -309,7 +309,7 @@ def _per_rank_peak(planner: Any, sharding: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
     if args.save:
-        result.plan.save(args.save)
+        result.plan.save(args.save, extra={"baselines": [b.to_dict() for b in result.baselines]})
     if args.export_policy:
         result.plan.export_policy(args.export_policy, command=command_line(args))
     if args.json:

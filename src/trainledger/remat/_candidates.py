@@ -431,6 +431,8 @@ def _inputs_of(plain: Ledger, record: ForwardRecord | None, c: Candidate) -> tup
         return ()
     f0, f1 = c.fwd
     reads = {a for f in range(f0, f1 + 1) for a in record.inputs[f] if a < f0}
+    # the checkpoint keeps every tensor argument of the call, whether its ops read it or not
+    reads |= set(record.call_args[c.call]) if c.call < len(record.call_args) else set()
     return tuple(
         i
         for i, e in enumerate(plain.entries)

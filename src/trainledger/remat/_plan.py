@@ -391,8 +391,10 @@ class Plan:
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the plan file is missing {exc}; save plans with `trainledger plan --save`") from exc
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
+        """Write :meth:`to_dict` as JSON, with ``extra`` keys beside it (``plan --save``: the named baselines,
+        which ``trainledger report`` shows; :meth:`load` reads the plan only)."""
+        Path(path).write_text(json.dumps({**self.to_dict(), **(extra or {})}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

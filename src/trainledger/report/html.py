@@ -397,12 +397,13 @@ def _plan(data: dict[str, Any], result: Any) -> None:
     data["bars"].append(
         {"title": "the plan against its budget", "items": [{"label": k, "bytes": v} for k, v in items if v is not None]}
     )
+    timed = p.extra_seconds is not None and all(b.extra_seconds is not None for b in result.baselines)
     data["pareto"] = {
-        "title": "the plan: peak against extra compute",
-        "cost": "seconds",
+        "title": "the plan: peak against extra compute, beside the plans people use",
+        "cost": "seconds" if timed else "flops",
         "plain_peak_bytes": p.plain_peak_bytes,
         "floor_bytes": p.floor_bytes,
-        "series": [{"name": "this plan", "points": [_point_of_plan(p)]}],
+        "series": [{"name": "this plan", "points": [_point_of_plan(p)]}, *_baseline_series(result.baselines)],
     }
     columns = [("module", "text"), ("policy", "text"), ("saved bytes", "bytes"), ("recompute transient", "bytes")]
     columns += [("recompute FLOPs", "int"), ("recompute ms", "float")]
@@ -416,7 +417,55 @@ def _plan(data: dict[str, Any], result: Any) -> None:
         policy = r.description
         rows.append((r.where, policy, *figures))
     data["tables"].append(_table("regions recomputed (non-reentrant torch.utils.checkpoint)", columns, rows))
+    if result.baselines:
+        data["tables"].append(_plan_baselines_table(result, timed=p.extra_seconds is not None))
     data["notes"] = list(p.notes)
+
+
+def _plan_baselines_table(result: Any, *, timed: bool) -> dict:
+    """The plan beside the named baselines, with the figures ``trainledger plan`` prints."""
+    p = result.plan
+    columns = [("plan", "text"), ("peak bytes", "bytes"), ("extra FLOPs", "int"), ("other ops", "int")]
+    columns += [*((("ms", "float"),) if timed else ()), ("regions", "int"), ("note", "text")]
+
+    def row(name: str, peak: Any, flops: Any, other: Any, seconds: Any, n: Any, note: str) -> tuple[Any, ...]:
+        ms = (None if seconds is None else seconds * 1e3,) if timed else ()
+        return (name, peak, flops, other, *ms, n, note)
+
+    rows = [
+        row(
+            "this plan", p.predicted_peak_bytes, p.extra_flops, p.extra_other_flops, p.extra_seconds, len(p.regions), ""
+        )
+    ]
+    for b in result.baselines:
+        if b.choice is None:
+            rows.append(row(b.label, None, None, None, None, None, b.note))
+        else:
+            rows.append(
+                row(b.label, b.peak_bytes, b.extra_flops, b.extra_other_flops, b.extra_seconds, len(b.choice), b.note)
+            )
+    caption = "other ops: the cost charged to ops FlopCounterMode counts 0, one FLOP per output element"
+    return _table("beside the plans people use (predicted on the same trace)", columns, rows, caption)
+
+
+def _baseline_series(baselines: Iterable[Any]) -> list[dict[str, Any]]:
+    """One chart series per named baseline that this model can express (its predicted peak and cost)."""
+    return [
+        {
+            "name": b.label,
+            "points": [
+                {
+                    "peak_bytes": b.peak_bytes,
+                    "extra_seconds": b.extra_seconds,
+                    "extra_flops": b.extra_flops,
+                    "extra_other_flops": b.extra_other_flops,
+                    "regions": [f"{len(b.choice)} regions"] if b.choice else [],
+                }
+            ],
+        }
+        for b in baselines
+        if b.peak_bytes is not None and b.choice is not None
+    ]
 
 
 def _point_of_plan(p: Any) -> dict[str, Any]:
@@ -424,6 +473,7 @@ def _point_of_plan(p: Any) -> dict[str, Any]:
         "peak_bytes": p.predicted_peak_bytes,
         "extra_seconds": p.extra_seconds,
         "extra_flops": p.extra_flops,
+        "extra_other_flops": p.extra_other_flops,
         "regions": [r.label for r in p.regions],
     }
 
@@ -447,6 +497,7 @@ def _pareto(data: dict[str, Any], result: Any) -> None:
             {"name": "greedy knapsack", "points": points(r.greedy for r in result.rows)},
             {"name": "uniform per-block", "points": points([result.uniform])},
             {"name": "Chen's sqrt(n)", "points": points([result.sqrt_n])},
+            *_baseline_series(result.baselines),
         ],
     }
     columns = [("budget", "bytes"), ("ours: peak", "bytes"), ("ours: extra ms", "float")]
@@ -468,7 +519,27 @@ def _pareto(data: dict[str, Any], result: Any) -> None:
         for r in result.rows
     ]
     data["tables"].append(_table("cheapest recomputation per budget (the plan's regions)", columns, rows))
+    if result.baselines:
+        data["tables"].append(_pareto_baselines_table(result))
     data["notes"] = list(result.candidate_notes)
+
+
+def _pareto_baselines_table(result: Any) -> dict:
+    """Each named baseline beside our plan at the baseline's own peak, as ``trainledger pareto`` prints it."""
+    seconds = result.cost == "seconds"
+    unit, kind = ("ms", "float") if seconds else ("FLOPs", "int")
+    columns = [("baseline", "text"), ("peak", "bytes"), (f"its extra {unit}", kind), (f"ours: extra {unit}", kind)]
+    columns += [("ours: peak", "bytes"), ("note", "text")]
+    rows = []
+    for b, o in zip(result.baselines, result.at_baselines, strict=True):
+        if b.peak_bytes is None:
+            rows.append((b.label, None, None, None, None, b.note))
+            continue
+        cost = (b.extra_seconds or 0.0) * 1e3 if seconds else b.cost_flops
+        ours = None if o is None else (o.cost("seconds") * 1e3 if seconds else int(o.cost("flops")))
+        rows.append((b.label, b.peak_bytes, cost, ours, None if o is None else o.peak_bytes, b.note))
+    caption = "" if seconds else "FLOPs: FlopCounterMode's, plus one per output element of the other recomputed ops"
+    return _table("named baselines, and our plan with each one's peak as the budget", columns, rows, caption)
 
 
 def _ranks(data: dict[str, Any], comparison: RankComparison) -> None:

@@ -55,6 +55,10 @@ class ForwardRecord:
     A region's recomputation stops inside its last save, so that op is the last one it runs."""
     calls: tuple[tuple[str, int], ...] = ()
     """Every module call, as (path, call number): the trace's calls, when the forward lines up."""
+    call_args: tuple[tuple[int, ...], ...] = ()
+    """Per call of ``calls``, the alloc events of the forward-allocated storages among its tensor arguments
+    (positional and keyword): what a checkpoint of the call keeps until its backward, used by its ops or not
+    (a Hugging Face decoder layer's ``cache_position``)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -78,6 +82,7 @@ class _Recorder(TorchDispatchMode):
         self.by_key: dict[int, int] = {}
         self.packs: list[tuple[int, int]] = []
         self.pending: list[tuple[int, int]] = []  # (last op, module call) of packs since the last op
+        self.call_args: dict[int, tuple[int, ...]] = {}  # module call -> alloc events of its tensor arguments
         self._refs: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -129,6 +134,16 @@ class _Recorder(TorchDispatchMode):
                 del self.by_key[key]
 
         return cb
+
+    def arguments(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A forward pre-hook (with keyword arguments): note the call's forward-allocated tensor arguments."""
+        found = set()
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                rec = self.by_key.get(storage_key(t))
+                if rec is not None:
+                    found.add(self.records[rec][0])
+        self.call_args[self.scopes.current_call] = tuple(sorted(found))
 
     def pack(self, t: torch.Tensor) -> None:
         call = self.scopes.current_call
@@ -213,7 +228,8 @@ def _record_runs(
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, flop_registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
-        scopes.open()
+        scopes.open()  # (its global pre-hook runs before each module's own: the call is known in ``arguments``)
+        hooks = [m.register_forward_pre_hook(rec.arguments, with_kwargs=True) for _, r in roots for m in r.modules()]
         try:
             with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda _x: None), rec, autocast(workload):
                 output = call_model(model, workload.batch)
@@ -221,6 +237,8 @@ def _record_runs(
                 del output, loss
         finally:
             scopes.close()
+            for h in hooks:
+                h.remove()
         rec.settle()
         for r in rec.records:
             if r[2] is None:
@@ -242,4 +260,5 @@ def _combine(runs: list[_Recorder]) -> ForwardRecord:
         storages,
         tuple(first.packs),
         tuple((c.path, c.index) for c in first.scopes.calls),
+        tuple(first.call_args.get(k, ()) for k in range(len(first.scopes.calls))),
     )

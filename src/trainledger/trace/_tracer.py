@@ -283,7 +283,9 @@ class StepTracer(TorchDispatchMode):
             if kernel is not None:
                 outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
                 self.resized.append((kernel, outputs))
-        if info.accumulation and not forward and _same_meta(args, out):
+        # the engine accumulates with grad mode off (in place only then); a checkpoint's recomputation runs
+        # with it on: its adds are the forward's, run again
+        if info.accumulation and not forward and not torch.is_grad_enabled() and _same_meta(args, out):
             a, b = args[0], args[1]
             self._accumulations.append(
                 _Accumulation(
@@ -434,7 +436,12 @@ class StepTracer(TorchDispatchMode):
             out = acc.out
             if out is None or out.alloc_event != acc.event or out.merged_into is not None:
                 continue
-            for rec, dense in zip(acc.operands, acc.dense, strict=True):
+            for operand, dense in zip(acc.operands, acc.dense, strict=True):
+                # an operand may itself be an earlier accumulation, already folded: the residual stream's
+                # gradient is added to once per block, and all of it is the one buffer the engine adds into
+                rec = operand
+                while rec is not None and rec.merged_into is not None:
+                    rec = rec.merged_into
                 if (
                     rec is not None
                     and dense

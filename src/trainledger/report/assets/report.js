@@ -565,7 +565,9 @@
   }
 
   var MARKERS = ["circle", "cross", "square", "diamond", "triangle"];
-  var SERIES_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00"];
+  // five markers against nine colours: the first 45 series differ in one or the other (the named baselines
+  // follow the five methods of a sweep)
+  var SERIES_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999", "#882255"];
 
   function marker(kind, cx, cy, color) {
     var r = 5;
@@ -579,7 +581,8 @@
   function renderPareto(root, P) {
     var sec = section(root, "pareto", P.title);
     var seconds = P.cost === "seconds";
-    function xv(p) { return seconds ? p.extra_seconds * 1e3 : p.extra_flops / 1e6; }
+    function flops(p) { return p.extra_flops + (p.extra_other_flops || 0); }  // as the solver counts them
+    function xv(p) { return seconds ? p.extra_seconds * 1e3 : flops(p) / 1e6; }
     var all = [];
     P.series.forEach(function (s) { all = all.concat(s.points); });
     var xmax = Math.max.apply(null, all.map(xv).concat([1e-9])) * 1.08;
@@ -626,7 +629,7 @@
       pts.forEach(function (p) {
         var g = marker(kind, x(xv(p)), y(p.peak_bytes), color);
         g.appendChild(svgEl("title", { text: s.name + ": peak " + fmtBytes(p.peak_bytes) + ", extra " +
-          (seconds ? (p.extra_seconds * 1e3).toFixed(3) + " ms" : fmtInt(p.extra_flops) + " FLOPs") +
+          (seconds ? (p.extra_seconds * 1e3).toFixed(3) + " ms" : fmtInt(flops(p)) + " FLOPs") +
           "; recomputes " + (p.regions.length ? p.regions.join(", ") : "nothing") }));
         svg.appendChild(g);
       });
