@@ -310,13 +310,13 @@ def trace_stacked(
         try:
             ledger, kernels = _extended(traced, depths, num_blocks)
         except NotRepeating as exc:
-            ledger, why = None, str(exc)
-    if ledger is None:
-        return whole(why)
-    if gpu is not None:
-        meta = {**ledger.meta, "cuda_facts": _extend_facts(facts[depths[0]], facts[depths[1]], depths, num_blocks)}
-        return _as_cuda(ledger.with_entries(ledger.entries, meta=meta), world_size)
-    return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+            why = str(exc)
+        else:
+            if gpu is None:
+                return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
+            grown = _extend_facts(facts[depths[0]], facts[depths[1]], depths, num_blocks)
+            return _as_cuda(ledger.with_entries(ledger.entries, meta={**ledger.meta, "cuda_facts": grown}), world_size)
+    return whole(why)
 
 
 def _extend_facts(base: CudaFacts, next_: CudaFacts, depths: list[int], num_blocks: int) -> CudaFacts:
