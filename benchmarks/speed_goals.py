@@ -63,8 +63,9 @@ def run_once(argv: list[str], src: Path, ledger_json: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.decode().strip().splitlines()[-1:]}")
     out = proc.stdout
-    if "--export-json" in argv:
-        out += Path(ledger_json).read_bytes()
+    if "--export-json" in argv:  # the exported ledger, and the JSON without the temporary path it was written to
+        printed = {k: v for k, v in json.loads(out).items() if k != "written"}
+        out = json.dumps(printed).encode() + Path(ledger_json).read_bytes()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {
         "wall_s": wall,
