@@ -21,6 +21,7 @@ from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import RECIPES, REMATS, Setup, setup_from_dict, setup_to_dict
 from trainledger.checks import MAX_BYTES, MAX_MICRO_BATCH, instance_of, one_of, positive_number, whole_number
 from trainledger.errors import InputError
+from trainledger.ledger import Ledger
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,12 +237,15 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
     stages = [parse_strategy(s) for s in options.stages]
     fitting: list[Candidate] = []
     overflowing: list[Candidate] = []
+    steps: dict[Setup, Ledger] = {}  # a step's ledger is the same under every ZeRO stage: built once
     for recipe in options.recipes:
         for remat in _remats(options, base):
             for stage in stages:
                 for mb in sorted(options.micro_batches):
                     setup = replace(base, micro_batch=mb, remat=remat, recipe=recipe)  # type: ignore[arg-type]
-                    cand = _candidate(spec, setup, stage, options)
+                    if setup not in steps:
+                        steps[setup] = compact(analytic_ledger(spec, setup))
+                    cand = _candidate(spec, setup, stage, options, steps[setup])
                     if cand.fits:
                         fitting.append(cand)
                     else:
@@ -268,12 +272,12 @@ def _remats(options: FitOptions, base: Setup) -> list[str]:
     return remats
 
 
-def _candidate(spec: ArchSpec, setup: Setup, stage: str, options: FitOptions) -> Candidate:
-    """One configuration: rank 0's analytic peak, what is largest then, and the step's cost per token."""
+def _candidate(spec: ArchSpec, setup: Setup, stage: str, options: FitOptions, led: Ledger) -> Candidate:
+    """One configuration: rank 0's analytic peak, what is largest then, and the step's cost per token, from
+    ``led``, the step's (compacted) analytic ledger."""
     from trainledger.analytic._estimate import shard_ledger
     from trainledger.shard import ShardConfig, shard
 
-    led = compact(analytic_ledger(spec, setup))
     collectives: tuple[Any, ...] = ()
     if options.world > 1:
         res = shard(led, ShardConfig(world_size=options.world, strategy=stage, engine="deepspeed"))  # type: ignore[arg-type]
