@@ -188,3 +188,34 @@ def test_unet_with_skip_connections_plan_verified():
     v = verify(w, plan, timing=False)
     assert v.within_budget and v.gradients_bitwise_equal and v.num_gradients > 0
     assert abs(v.relative_error) <= 0.01
+
+
+def test_cpu_flash_attention_is_charged_its_two_matmuls():
+    """PyTorch has no FLOP formula for the CPU's flash attention kernel; recomputing it costs what CUDA's does:
+    QKᵀ and AV, 2·B·H·T·T·d each. Without dropout the CPU's SDPA runs that kernel (with dropout, the math
+    kernel's matmuls, which FlopCounterMode counts)."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from trainledger.workload import Workload
+
+    spec = importlib.util.spec_from_file_location(
+        "sdpa_models_flops", Path(__file__).parent / "fixtures" / "sdpa_models.py"
+    )
+    assert spec is not None and spec.loader is not None
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    B, T, C, H = 2, 32, 32, 4
+    torch.manual_seed(0)
+    model = models.Stack(vocab=64, dim=C, num_heads=H, num_layers=2, dropout=0.0)
+    idx = torch.randint(0, 64, (B, T + 1))
+    planner = Planner.build(Workload(model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), name="sdpa"))
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in {e.op for e in planner.candidates.plain.events}
+    block = planner.candidates.candidates[planner.candidates.index(Region("blocks.0"))]
+    N = B * T
+    # qkv, proj, fc1; the recomputation stops at the save of fc2's input, so fc2 does not run again
+    linears = 2 * N * C * 3 * C + 2 * N * C * C + 2 * N * C * 4 * C
+    attention = 2 * (2 * B * H * T * T * (C // H))
+    assert block.flops == linears + attention

@@ -214,6 +214,20 @@ def _record_cuda(workload: Workload, name: Any) -> ForwardRecord:
         return _combine(runs[-1:])
 
 
+def _flop_registry() -> dict[Any, Any]:
+    """``torch.utils.flop_counter``'s formulas, with the CPU's flash attention counted as CUDA's: PyTorch 2.13
+    has no formula for ``_scaled_dot_product_flash_attention_for_cpu``, so recomputing a CPU step's attention
+    would cost nothing (its two matmuls, ``4·B·H·T·S·d``, are the same on either kernel)."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    registry = dict(flop_registry)
+    cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu
+    if cpu_flash not in registry and aten._scaled_dot_product_flash_attention in registry:
+        registry[cpu_flash] = registry[aten._scaled_dot_product_flash_attention]
+    return registry
+
+
 def _record_runs(
     workload: Workload,
     roots: list[tuple[str, nn.Module]],
@@ -221,12 +235,11 @@ def _record_runs(
     repeats: int,
     substitutes: dict[Any, Any] | None = None,
 ) -> None:
-    from torch.utils.flop_counter import flop_registry
-
+    registry = _flop_registry()
     model = workload.model
     for _ in range(max(1, repeats) + 1):
         scopes = ModuleScopes(roots)
-        rec = _Recorder(scopes, flop_registry, substitutes)
+        rec = _Recorder(scopes, registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
         scopes.open()  # (its global pre-hook runs before each module's own: the call is known in ``arguments``)
         hooks = [m.register_forward_pre_hook(rec.arguments, with_kwargs=True) for _, r in roots for m in r.modules()]
