@@ -50,6 +50,66 @@ PROBED_OPS: frozenset[str] = frozenset(
     }
 )
 
+# Matrix products, by the positions of the operands BLAS reads as matrices (or vectors): what ``matmul`` and
+# ``linear`` become at dispatch level, and the out= and in-place forms whose written result BLAS may not be able
+# to write in place. Their kernels copy an operand only when its layout fails :func:`blas_reads`, so the tracer
+# probes a call only then (``blas_copies``): an ordinary product costs one stride test.
+MATMUL_OPERANDS: dict[str, tuple[int, ...]] = {
+    **dict.fromkeys(("aten.mm", "aten.mm.out", "aten.bmm", "aten.bmm.out", "aten.mv", "aten.mv.out"), (0, 1)),
+    **dict.fromkeys(
+        (
+            "aten.addmm",
+            "aten.addmm.out",
+            "aten._addmm_activation",
+            "aten._addmm_activation.out",
+            "aten.baddbmm",
+            "aten.baddbmm.out",
+            "aten.addbmm",
+            "aten.addbmm.out",
+            "aten.addmv",
+            "aten.addmv.out",
+        ),
+        (1, 2),
+    ),
+    # in place: the first argument is the result the product is written into
+    **dict.fromkeys(("aten.addmm_", "aten.baddbmm_", "aten.addbmm_", "aten.addmv_"), (0, 1, 2)),
+}
+
+
+def blas_reads(t: Any) -> bool:
+    """Whether BLAS reads (or writes) ``t`` in place: a matrix (its last two dims, a batch's items) row- or
+    column-major with a leading dimension at least its extent; a vector with a non-zero stride.
+
+    This is the test of ``addmm_impl_cpu_`` (aten/src/ATen/native/LinearAlgebra.cpp), which clones an
+    operand that fails it (``m1.clone(at::MemoryFormat::Contiguous)``) and computes into a column-major copy
+    of a result that fails it. Every other path copies on a subset of these layouts: ``bmm_out_or_baddbmm_``
+    accepts a batch whose items pass it (size-1 dims exempt) and otherwise calls ``addmm_impl_cpu_`` on one
+    item at a time (a copy of one item), or runs a naive kernel without copies below 400 multiply-adds or a
+    oneDNN one for bf16/fp16; ``addmv_impl_cpu`` (aten/src/ATen/native/Blas.cpp) takes ``mat.contiguous()``
+    of a matrix that fails it; cuBLAS's ``prepare_matrix_for_cublas`` and ``prepare_batch_matrix_for_cublas``
+    (aten/src/ATen/native/cuda/Blas.cpp) also accept a dense one, and ``addmv_impl_cuda`` copies a vector of
+    stride 0. How much a CPU call copies is measured (the kernel it takes depends on dtype and build); a CUDA
+    kind trace computes it from cuBLAS's rule (:func:`trainledger.trace._cuda.cublas_copy_bytes`).
+    """
+    if not isinstance(t, torch.Tensor):
+        return True
+    shape, stride = t.shape, t.stride()
+    if len(shape) < 2:
+        return len(shape) == 0 or stride[0] != 0 or shape[0] <= 1
+    rows, cols, a, b = shape[-2], shape[-1], stride[-2], stride[-1]
+    return (b == 1 and a >= max(1, cols)) or (a == 1 and b >= max(1, rows))
+
+
+def blas_copies(positions: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an operand of a matrix product at ``positions`` (or its ``out=`` result) fails :func:`blas_reads`:
+    its kernel may copy it, so the call is probed."""
+    for i in positions:
+        if i < len(args) and not blas_reads(args[i]):
+            return True
+    out = kwargs.get("out")
+    return out is not None and not blas_reads(out)
+
+
 # Ops whose CPU kernel returns a storage of another size than its meta kernel declares, so that a fake trace
 # would get it wrong: ``mse_loss``'s scalar lives in a buffer the size of its input, and oneDNN's LSTM layer
 # returns a workspace that is empty on fake tensors. A fake trace sizes these outputs by running the kernel.
