@@ -159,3 +159,44 @@ def test_the_layout_test_names_every_call_whose_kernel_copies():
     assert named - copied == set()  # fp32 on this build: every named call copies
     assert {"contiguous", "transposed", "bmm contiguous", "bmm batch-expanded weight"}.isdisjoint(named)
     assert "addmm expanded bias" not in named  # the bias is copied into the result, no buffer
+
+
+# by hand from cuBLAS's rule: each operand (or written result) it cannot read in place, numel × 4 bytes
+CUBLAS_COPIES = {
+    "expanded scalar": 256 * 64 * 4,
+    "expanded row": 256 * 64 * 4,
+    "every other column": 256 * 64 * 4,
+    "addmm expanded mat1": 256 * 64 * 4,
+    "bmm expanded": 8 * 64 * 32 * 4,  # the whole batch at once, where the CPU copies one item at a time
+    "baddbmm expanded": 8 * 32 * 64 * 4,
+    "mv expanded matrix": 256 * 64 * 4,
+    "addmv expanded matrix": 256 * 64 * 4,
+    "mm into a strided output": 256 * 128 * 4,
+    "addmm_ on a strided self": 256 * 128 * 4,
+}
+
+
+def test_cublas_copies_by_hand():
+    from trainledger.trace._cuda import cublas_copy_bytes
+
+    found = {}
+    for label, (func, args, kwargs) in LAYOUTS.items():
+        call = kernels_module.KernelCall.of(func, args, kwargs)
+        found[label] = cublas_copy_bytes(str(func).removesuffix(".default"), call)
+    assert {k: v for k, v in found.items() if v} == CUBLAS_COPIES
+    vec = kernels_module.KernelCall.of(aten.mv.default, (_r(256, 64), _e(64)), {})
+    assert cublas_copy_bytes("aten.mv", vec) == 64 * 4  # addmv_impl_cuda: vec.contiguous() of a stride-0 vector
+    # a dense (256, 1) column whose unused stride is odd: cuBLAS's common case reads it, a vector product does not
+    column = torch.empty_strided((256, 1), (1, 7))
+    assert cublas_copy_bytes("aten.mm", kernels_module.KernelCall.of(aten.mm.default, (column, _r(1, 8)), {})) == 0
+
+
+def test_a_cuda_kind_trace_holds_cublas_copies():
+    led = trace(sum_loss_mlp(), kernel_kind="cuda")
+    copies = [(led.events[e.alloc_event].op, e.owner, e.nbytes, e.evidence, e.device) for e in _internal(led)]
+    # the last layer's backward reads the (2048, 64) expanded gradient twice: its input's and its weight's mm
+    assert copies == [("aten.mm", "blocks.1.down", MM_COPY_BYTES, Evidence.ANALYTIC, "cuda")] * 2
+    led = trace(scores_workload(), kernel_kind="cuda")
+    copies = [(led.events[e.alloc_event].op, e.nbytes) for e in _internal(led)]
+    assert copies == [("aten.bmm", 8 * 64 * 64 * 4)] * 2  # q's and k's gradient, each from the whole (8, 64, 64)
+    assert not _internal(trace(sum_loss_mlp(loss="mean"), kernel_kind="cuda"))

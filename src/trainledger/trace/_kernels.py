@@ -364,25 +364,32 @@ def kernel_entries(calls: list[tuple[int, str, str, KernelCall | None]]) -> tupl
         found = probes.get(call) if call is not None else None
         if found is None or not found.nbytes:
             continue
-        entries.append(
-            Entry(
-                name=f"{op}#{event}:internal",
-                category=Category.WORKSPACE,
-                role=KERNEL_INTERNAL,
-                dtype="uint8",
-                numel=found.nbytes,
-                nbytes=found.nbytes,
-                owner=module,
-                alloc_event=event,
-                free_event=event + 1,
-                evidence=found.evidence or Evidence.MEASURED,
-                shape=(found.nbytes,),
-            )
-        )
+        entries.append(internal_entry(event, op, module, found.nbytes, found.evidence or Evidence.MEASURED))
     evidence = [probes[c].evidence if c is not None else None for *_, c in calls]
     return entries, KernelCounts(
         num_estimated=sum(1 for e in evidence if e == Evidence.ESTIMATED),
         num_skipped=sum(1 for e in evidence if e is None),
+    )
+
+
+def internal_entry(
+    event: int, op: str, module: str, nbytes: int, evidence: Evidence, *, device: str = "cpu", kernel: str = ""
+) -> Entry:
+    """The ``workspace`` entry of ``nbytes`` a kernel holds inside the op at ``event`` (live at that event only)."""
+    return Entry(
+        name=f"{op}#{event}:internal",
+        category=Category.WORKSPACE,
+        role=KERNEL_INTERNAL,
+        dtype="uint8",
+        numel=nbytes,
+        nbytes=nbytes,
+        device=device,
+        owner=module,
+        alloc_event=event,
+        free_event=event + 1,
+        evidence=evidence,
+        shape=(nbytes,),
+        kernel=kernel,
     )
 
 
