@@ -200,3 +200,4 @@ def test_a_cuda_kind_trace_holds_cublas_copies():
     copies = [(led.events[e.alloc_event].op, e.nbytes) for e in _internal(led)]
     assert copies == [("aten.bmm", 8 * 64 * 64 * 4)] * 2  # q's and k's gradient, each from the whole (8, 64, 64)
     assert not _internal(trace(sum_loss_mlp(loss="mean"), kernel_kind="cuda"))
+    assert "plus 2 copies cuBLAS makes" in trace(scores_workload(), kernel_kind="cuda").notes[0]

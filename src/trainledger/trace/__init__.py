@@ -483,7 +483,16 @@ def _as_cuda(ledger: Ledger, world_size: int, kernels: list[tuple[int, str, str,
     ledger = ledger.with_entries(ledger.entries, meta={k: v for k, v in ledger.meta.items() if k != "cuda_facts"})
     ledger = cuda_ledger(ledger, facts, world_size=world_size)
     copies = cublas_copies(kernels)
-    return ledger.with_entries((*ledger.entries, *copies)) if copies else ledger
+    if not copies:
+        return ledger
+    note = (
+        f"traced bytes are tensor storages as the allocator is asked for them, plus {len(copies)} copies cuBLAS makes "
+        "inside a matrix product of an operand it cannot read in place (workspace, role kernel_internal, evidence "
+        "analytic: cuBLAS's rule); excluded: other memory kernels allocate and free internally, allocator rounding, "
+        "caching and fragmentation, Python and autograd graph objects"
+    )
+    notes = tuple(note if n == LIMITATIONS else n for n in ledger.notes)
+    return ledger.with_entries((*ledger.entries, *copies), notes=notes)
 
 
 def traced_ledger(

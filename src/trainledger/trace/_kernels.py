@@ -15,6 +15,17 @@ largest allocation above what it returns becomes a ``workspace`` entry with role
 evidence ``measured``, live at that op's event only. Calls too large to run here are left out and the
 ledger's notes say how many.
 
+Matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm``, ``mv``, ``addmv``: what ``matmul`` and
+``linear`` dispatch to) copy an operand BLAS cannot read in place, or compute into a copy of a result it
+cannot write: the expanded-scalar gradient a plain ``loss = out.sum()`` hands the last layer's backward (every
+stride 0) is cloned inside ``mm``, one operand above a tensor trace. Such a call is probed like the ops above,
+but only when :func:`blas_reads` (the layout test of ``addmm_impl_cpu_``) fails for one of its operands: an
+ordinary product, contiguous or transposed, costs one stride test and adds nothing. Probed rather than
+modelled, because which CPU kernel runs, and so what it copies, depends on dtype and build (bmm copies one
+batch item at a time on its split path, nothing below 400 multiply-adds; bf16 goes to oneDNN, which copies
+nothing here); a CUDA-kind trace models cuBLAS's copies from its rule instead
+(:func:`trainledger.trace._cuda.cublas_copy_bytes`).
+
 Nothing the step observes changes: the kernels run on tensors of their own, outside the traced step, and
 no random numbers are drawn.
 """
@@ -91,13 +102,16 @@ def blas_reads(t: Any) -> bool:
     stride 0. How much a CPU call copies is measured (the kernel it takes depends on dtype and build); a CUDA
     kind trace computes it from cuBLAS's rule (:func:`trainledger.trace._cuda.cublas_copy_bytes`).
     """
+    # runs for every matrix product of a step: the shape is read only where a stride is 1
     if not isinstance(t, torch.Tensor):
         return True
-    shape, stride = t.shape, t.stride()
-    if len(shape) < 2:
-        return len(shape) == 0 or stride[0] != 0 or shape[0] <= 1
-    rows, cols, a, b = shape[-2], shape[-1], stride[-2], stride[-1]
-    return (b == 1 and a >= max(1, cols)) or (a == 1 and b >= max(1, rows))
+    stride = t.stride()
+    if len(stride) < 2:
+        return not stride or stride[0] != 0 or t.shape[0] <= 1
+    a, b = stride[-2], stride[-1]
+    if b == 1 and a >= 1 and a >= t.shape[-1]:  # row-major, leading dimension at least the row
+        return True
+    return a == 1 and b >= 1 and b >= t.shape[-2]  # column-major
 
 
 def blas_copies(positions: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
