@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from trainledger import examples
 from trainledger.ledger import Evidence
 from trainledger.measure import measure
-from trainledger.trace import KERNEL_INTERNAL, trace
+from trainledger.trace import KERNEL_INTERNAL, trace, trace_stacked
 from trainledger.trace import _kernels as kernels_module
 from trainledger.trace import _tracer as tracer_module
 from trainledger.workload import Workload
@@ -71,6 +71,23 @@ def scores_workload() -> Workload:
     return Workload(_Scores(), torch.randn(8, 64, 32), loss_fn=lambda out, _: out.sum(), name="scores")
 
 
+class _SumGPT(examples.GPT):
+    """gpt-tiny's blocks, loss ``logits.sum()``: the LM head's backward reads an expanded gradient."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.size(1))))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)).sum()
+
+
+def sum_gpt(num_blocks: int) -> Workload:
+    torch.manual_seed(0)
+    model = _SumGPT(vocab_size=256, block_size=32, n_layer=num_blocks, n_head=2, n_embd=32, dropout=0.0)
+    idx = torch.randint(0, 256, (4, 32))
+    return Workload(model, (idx, idx), name="sum-gpt")
+
+
 def _internal(led):
     return [e for e in led.entries if e.role == KERNEL_INTERNAL]
 
@@ -105,8 +122,9 @@ def test_an_expanded_bmm_gradient_is_copied_one_batch_item_at_a_time():
     assert {e.nbytes for e in copies} == {64 * 64 * 4}  # bmm's split path clones one (64, 64) item per call
 
 
-def test_fake_trace_gets_the_real_traces_copies():
-    real, fake = trace(sum_loss_mlp()), trace(sum_loss_mlp(), fake=True)
+@pytest.mark.parametrize("build", [sum_loss_mlp, scores_workload], ids=["mm", "bmm"])
+def test_fake_trace_gets_the_real_traces_copies(build):
+    real, fake = trace(build()), trace(build(), fake=True)
     assert _internal(real) and _entries(real) == _entries(fake)
 
 
@@ -201,3 +219,13 @@ def test_a_cuda_kind_trace_holds_cublas_copies():
     assert copies == [("aten.bmm", 8 * 64 * 64 * 4)] * 2  # q's and k's gradient, each from the whole (8, 64, 64)
     assert not _internal(trace(sum_loss_mlp(loss="mean"), kernel_kind="cuda"))
     assert "plus 2 copies cuBLAS makes" in trace(scores_workload(), kernel_kind="cuda").notes[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_an_extended_trace_holds_the_copies_of_the_whole_trace(kind):
+    stacked = trace_stacked(sum_gpt, 6, kernel_kind=kind)
+    whole = trace(sum_gpt(6), kernel_kind=kind, fake=True)
+    assert stacked.meta["blocks"]["extended"] and _entries(stacked) == _entries(whole)
+    head = [e for e in _internal(whole) if e.owner == "lm_head"]
+    assert [e.nbytes for e in head] == [4 * 32 * 256 * 4] * 2  # the (128, 256) expanded logits' gradient
