@@ -27,13 +27,21 @@ from trainledger.trace._cuda import (
     DISPATCH_SUBSTITUTES,
     CudaFacts,
     CudaKernels,
+    cublas_copies,
     cuda_device,
     cuda_ledger,
     use_foreach,
 )
 from trainledger.trace._fake import FAKE_SUBSTITUTES, SMALL_BUFFER_BYTES, EmptyWeights, fake_workload
 from trainledger.trace._fsdp import fsdp_storages
-from trainledger.trace._kernels import KERNEL_INTERNAL, PROBED_OPS, KernelCall, KernelCounts, kernel_entries
+from trainledger.trace._kernels import (
+    KERNEL_INTERNAL,
+    MATMUL_OPERANDS,
+    PROBED_OPS,
+    KernelCall,
+    KernelCounts,
+    kernel_entries,
+)
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
@@ -89,7 +97,7 @@ def _kernel_note(num_entries: int, counts: KernelCounts) -> str:
     else:
         inside = (
             " (none of this step's kernels is one known to allocate inside an op: convolution, BatchNorm, "
-            "LayerNorm's backward, the LSTM)"
+            "LayerNorm's backward, the LSTM, a matrix product with an operand BLAS cannot read in place)"
         )
     if counts.num_estimated:
         inside += (
@@ -142,9 +150,10 @@ def trace(
         fake: run under ``FakeTensorMode``: same ops and shapes, nothing allocated. The model's
             parameters are swapped for fake ones during the trace and restored afterwards.
         kernel_workspace: also measure the buffers that CPU kernels (convolutions, BatchNorm's and
-            LayerNorm's backward, the LSTM) allocate and free inside one op, by running each distinct
-            call once more alone, and add them as workspace entries at that op's event (evidence
-            ``measured``). Without it the ledger holds tensor storages only.
+            LayerNorm's backward, the LSTM, a matrix product copying an operand BLAS cannot read in place)
+            allocate and free inside one op, by running each distinct call once more alone, and add them as
+            workspace entries at that op's event (evidence ``measured``). Without it the ledger holds tensor
+            storages only.
         progress: called as ``progress(phase, num_events)`` every thousand events.
         device: with ``fake``, the device that tensors on ``meta`` are traced as (a model built with
             ``torch.device("meta")`` or accelerate's ``init_empty_weights()``); a real trace refuses them.
@@ -152,7 +161,8 @@ def trace(
             would run it (the SDPA backend CUDA picks and what it saves, fused dropout, fp32 normalization
             statistics, the foreach optimizer, the cuBLAS workspace; see ``trace/_cuda.py``). There are no
             CUDA kernels here, so a CUDA-kind trace always runs on fake tensors (a note says so when the model
-            is real); kernel-internal buffers are not probed (the CPU's are not CUDA's).
+            is real); kernel-internal buffers are not probed (the CPU's are not CUDA's), except the copies
+            cuBLAS makes of an operand it cannot read in place, from its rule (evidence ``analytic``).
         cuda_device: with ``cuda``, the card from the device table (its compute capability decides the SDPA
             backend and the cuBLAS workspace); default an H100 (sm90).
         world_size: with ``cuda``, data-parallel ranks: above 1, NCCL's buffers are stated beside the ledger.
@@ -172,7 +182,7 @@ def trace(
         workload, fake=fake, progress=progress, device=_meta_device(workload, fake, device), cuda=gpu
     )
     if gpu is not None:
-        ledger = _as_cuda(ledger, world_size)
+        ledger = _as_cuda(ledger, world_size, kernels if kernel_workspace else [])
         if not was_fake:
             ledger = ledger.with_entries(ledger.entries, notes=(*ledger.notes, FAKE_FOR_CUDA_NOTE))
         return ledger
@@ -317,7 +327,8 @@ def trace_stacked(
             if gpu is None:
                 return with_kernel_workspace(ledger, kernels) if kernel_workspace else ledger
             grown = _extend_facts(facts[depths[0]], facts[depths[1]], depths, num_blocks)
-            return _as_cuda(ledger.with_entries(ledger.entries, meta={**ledger.meta, "cuda_facts": grown}), world_size)
+            ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "cuda_facts": grown})
+            return _as_cuda(ledger, world_size, kernels if kernel_workspace else [])
     return whole(why)
 
 
@@ -456,18 +467,32 @@ def _trace(
         notes=(_resized_note(resized),) if resized else (),
         meta={"cuda_facts": facts} if facts is not None else None,
     )
-    return ledger, tracer.kernel_calls if kernels is None else []
+    # CUDA's kernels are not CPU's: only matrix products, whose copies follow cuBLAS's rule (``cublas_copies``)
+    calls = tracer.kernel_calls if kernels is None else [k for k in tracer.kernel_calls if k[1] in MATMUL_OPERANDS]
+    return ledger, calls
 
 
 def _cublas_config() -> str | None:
     return os.environ.get("CUBLAS_WORKSPACE_CONFIG") or None
 
 
-def _as_cuda(ledger: Ledger, world_size: int) -> Ledger:
-    """A traced ledger whose ``meta`` holds the CUDA facts, as the CUDA step's ledger (``cuda_ledger``)."""
+def _as_cuda(ledger: Ledger, world_size: int, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
+    """A traced ledger whose ``meta`` holds the CUDA facts, as the CUDA step's ledger (``cuda_ledger``), with the
+    copies cuBLAS makes inside the matrix products among ``kernels``."""
     facts = ledger.meta["cuda_facts"]
     ledger = ledger.with_entries(ledger.entries, meta={k: v for k, v in ledger.meta.items() if k != "cuda_facts"})
-    return cuda_ledger(ledger, facts, world_size=world_size)
+    ledger = cuda_ledger(ledger, facts, world_size=world_size)
+    copies = cublas_copies(kernels)
+    if not copies:
+        return ledger
+    note = (
+        f"traced bytes are tensor storages as the allocator is asked for them, plus {len(copies)} copies cuBLAS makes "
+        "inside a matrix product of an operand it cannot read in place (workspace, role kernel_internal, evidence "
+        "analytic: cuBLAS's rule); excluded: other memory kernels allocate and free internally, allocator rounding, "
+        "caching and fragmentation, Python and autograd graph objects"
+    )
+    notes = tuple(note if n == LIMITATIONS else n for n in ledger.notes)
+    return ledger.with_entries((*ledger.entries, *copies), notes=notes)
 
 
 def traced_ledger(

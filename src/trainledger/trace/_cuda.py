@@ -20,9 +20,14 @@ else than the CPU's, what the CUDA kernel would have done (PyTorch 2.13):
   the CPU step (:mod:`trainledger.trace._autocast`).
 - **cuBLAS workspace**: a declared persistent entry per stream (:func:`trainledger.devices.cublas_workspace_bytes`);
   the CUDA context and NCCL's buffers, outside the caching allocator, are stated beside the ledger, not in it.
+- **cuBLAS's operand copies**: a matrix product whose operand (or written result) cuBLAS cannot read in place
+  (no unit stride, as the expanded-scalar gradient a plain ``.sum()`` loss gives) is copied contiguous inside
+  the op (:func:`cublas_copy_bytes`); the copy is a ``kernel_internal`` workspace entry at that op's event,
+  evidence ``analytic`` (the rule, not a measurement).
 
 Known limitations:
-    - cuDNN convolution workspaces and other buffers kernels allocate inside one op are not modelled.
+    - cuDNN convolution workspaces and other buffers kernels allocate inside one op are not modelled (cuBLAS's
+      operand copies are); nor the copy of a conjugated complex operand (``resolve_conj_if_indicated``).
     - Recurrent layers run the CPU's kernel on fake tensors: cuDNN's RNN reserve space is not modelled.
     - A step with data-dependent shapes (top-k routing through ``nonzero``) cannot run on fake tensors.
 """
@@ -52,6 +57,7 @@ from trainledger.devices import (
 )
 from trainledger.ledger import Category, Entry, Evidence, Ledger
 from trainledger.trace._autocast import CudaAutocast
+from trainledger.trace._kernels import MATMUL_OPERANDS, KernelCall, internal_entry
 
 TORCH_SOURCE = "PyTorch 2.13 (cf30153c4c131c8164ee7798e5022d810682e2cb)"
 
@@ -416,6 +422,95 @@ def cuda_note(facts: CudaFacts) -> str:
             if facts.autocast_calls is not None
             else ""
         )
-        + ". Not substituted: kernels' internal buffers (cuDNN convolution workspaces, cuDNN RNN reserve space). "
+        + "; cuBLAS's copies of operands it cannot read in place (analytic). Not substituted: kernels' other "
+        "internal buffers (cuDNN convolution workspaces, cuDNN RNN reserve space). "
         "Unvalidated on a GPU"
     )
+
+
+# addbmm on CUDA reshapes its batches into one addmm (copies below dispatch, outside this rule): left out.
+_CUBLAS_OPS = frozenset(op for op in MATMUL_OPERANDS if not op.startswith("aten.addbmm"))
+_CUBLAS_LABEL = "cuda: cuBLAS reads no operand without a unit stride: copied contiguous inside the op (Blas.cpp)"
+
+
+def cublas_copy_bytes(op: str, call: KernelCall) -> int:
+    """Bytes a CUDA matrix product copies inside the op: each operand, and an ``out=`` or in-place result, that
+    cuBLAS cannot read in place, cloned contiguous (all alive at the GEMM call). The rule of
+    aten/src/ATen/native/cuda/Blas.cpp (``addmm_out_cuda_impl``, ``baddbmm_out_cuda_impl``, ``addmv_out_cuda``):
+
+    - a matrix (``prepare_matrix_for_cublas``) is read in place when it is non-overlapping and dense, or row-
+      or column-major with a leading dimension at least its extent; otherwise ``clone(MemoryFormat::Contiguous)``;
+    - a batch (``prepare_batch_matrix_for_cublas``) when its items are row- or column-major so, or it is
+      contiguous with no zero stride in an item; the batch stride is free (a broadcast weight is read as is);
+      a batched result when its items are, size-1 dims exempt;
+    - ``addmv``'s matrix when it is row- or column-major so; its vector when its stride is not 0.
+
+    Example:
+        >>> import torch
+        >>> grad = torch.ones(()).expand(2048, 64)  # a .sum() loss's gradient: every stride 0
+        >>> call = KernelCall.of(torch.ops.aten.mm.default, (grad, torch.zeros(64, 256)), {})
+        >>> cublas_copy_bytes("aten.mm", call)  # 2048 × 64 fp32
+        524288
+    """
+    if op not in _CUBLAS_OPS:
+        return 0
+    args, kwargs = call.args, dict(call.kwargs)
+    vector_product = op.startswith(("aten.mv", "aten.addmv"))
+    total = 0
+    for i in MATMUL_OPERANDS[op]:
+        spec = args[i] if i < len(args) else None
+        result = i == 0 and op.endswith("_")
+        if spec is not None and not _cublas_reads(spec.shape, spec.stride, result=result, strict=vector_product):
+            total += math.prod(spec.shape) * spec.dtype.itemsize
+    out = kwargs.get("out")
+    if out is not None and not _cublas_reads(out.shape, out.stride, result=True, strict=vector_product):
+        total += math.prod(out.shape) * out.dtype.itemsize
+    return total
+
+
+def _cublas_reads(shape: tuple[int, ...], stride: tuple[int, ...], *, result: bool, strict: bool) -> bool:
+    if math.prod(shape) == 0:
+        return True  # nothing to multiply: the kernels return before preparing anything
+    if len(shape) == 1:  # addmv_impl_cuda: vec.contiguous() where its stride is 0; a result is written as is
+        return result or stride[0] != 0 or shape[0] == 1
+    rows, cols, a, b = shape[-2], shape[-1], stride[-2], stride[-1]
+    if result and len(shape) == 3:  # baddbmm_out_cuda_impl's result_: size-1 dims exempt
+        return (a == 1 and (cols == 1 or b >= max(1, rows))) or (b == 1 and (rows == 1 or a >= max(1, cols)))
+    if (b == 1 and a >= max(1, cols)) or (a == 1 and b >= max(1, rows)):
+        return True
+    if len(shape) == 3:  # prepare_batch_matrix_for_cublas: contiguous, with no zero stride in an item
+        return not result and a != 0 and b != 0 and _contiguous(shape, stride)
+    return not strict and _non_overlapping_and_dense(shape, stride)  # prepare_matrix_for_cublas's common case
+
+
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _non_overlapping_and_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, step in sorted(zip(shape, stride, strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def cublas_copies(calls: list[tuple[int, str, str, KernelCall | None]]) -> list[Entry]:
+    """Workspace entries for the copies cuBLAS makes inside the matrix products among ``(event, op name, module,
+    call)`` of a trace (:func:`cublas_copy_bytes`), each live at its op's event only."""
+    entries = []
+    for event, op, module, call in calls:
+        nbytes = cublas_copy_bytes(op, call) if call is not None else 0
+        if nbytes:
+            entries.append(
+                internal_entry(event, op, module, nbytes, Evidence.ANALYTIC, device="cuda", kernel=_CUBLAS_LABEL)
+            )
+    return entries

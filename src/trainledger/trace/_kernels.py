@@ -15,6 +15,17 @@ largest allocation above what it returns becomes a ``workspace`` entry with role
 evidence ``measured``, live at that op's event only. Calls too large to run here are left out and the
 ledger's notes say how many.
 
+Matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm``, ``mv``, ``addmv``: what ``matmul`` and
+``linear`` dispatch to) copy an operand BLAS cannot read in place, or compute into a copy of a result it
+cannot write: the expanded-scalar gradient a plain ``loss = out.sum()`` hands the last layer's backward (every
+stride 0) is cloned inside ``mm``, one operand above a tensor trace. Such a call is probed like the ops above,
+but only when :func:`blas_reads` (the layout test of ``addmm_impl_cpu_``) fails for one of its operands: an
+ordinary product, contiguous or transposed, costs one stride test and adds nothing. Probed rather than
+modelled, because which CPU kernel runs, and so what it copies, depends on dtype and build (bmm copies one
+batch item at a time on its split path, nothing below 400 multiply-adds; bf16 goes to oneDNN, which copies
+nothing here); a CUDA-kind trace models cuBLAS's copies from its rule instead
+(:func:`trainledger.trace._cuda.cublas_copy_bytes`).
+
 Nothing the step observes changes: the kernels run on tensors of their own, outside the traced step, and
 no random numbers are drawn.
 """
@@ -49,6 +60,69 @@ PROBED_OPS: frozenset[str] = frozenset(
         "aten.native_layer_norm_backward",
     }
 )
+
+# Matrix products, by the positions of the operands BLAS reads as matrices (or vectors): what ``matmul`` and
+# ``linear`` become at dispatch level, and the out= and in-place forms whose written result BLAS may not be able
+# to write in place. Their kernels copy an operand only when its layout fails :func:`blas_reads`, so the tracer
+# probes a call only then (``blas_copies``): an ordinary product costs one stride test.
+MATMUL_OPERANDS: dict[str, tuple[int, ...]] = {
+    **dict.fromkeys(("aten.mm", "aten.mm.out", "aten.bmm", "aten.bmm.out", "aten.mv", "aten.mv.out"), (0, 1)),
+    **dict.fromkeys(
+        (
+            "aten.addmm",
+            "aten.addmm.out",
+            "aten._addmm_activation",
+            "aten._addmm_activation.out",
+            "aten.baddbmm",
+            "aten.baddbmm.out",
+            "aten.addbmm",
+            "aten.addbmm.out",
+            "aten.addmv",
+            "aten.addmv.out",
+        ),
+        (1, 2),
+    ),
+    # in place: the first argument is the result the product is written into
+    **dict.fromkeys(("aten.addmm_", "aten.baddbmm_", "aten.addbmm_", "aten.addmv_"), (0, 1, 2)),
+}
+
+
+def blas_reads(t: Any) -> bool:
+    """Whether BLAS reads (or writes) ``t`` in place: a matrix (its last two dims, a batch's items) row- or
+    column-major with a leading dimension at least its extent; a vector with a non-zero stride.
+
+    This is the test of ``addmm_impl_cpu_`` (aten/src/ATen/native/LinearAlgebra.cpp), which clones an
+    operand that fails it (``m1.clone(at::MemoryFormat::Contiguous)``) and computes into a column-major copy
+    of a result that fails it. Every other path copies on a subset of these layouts: ``bmm_out_or_baddbmm_``
+    accepts a batch whose items pass it (size-1 dims exempt) and otherwise calls ``addmm_impl_cpu_`` on one
+    item at a time (a copy of one item), or runs a naive kernel without copies below 400 multiply-adds or a
+    oneDNN one for bf16/fp16; ``addmv_impl_cpu`` (aten/src/ATen/native/Blas.cpp) takes ``mat.contiguous()``
+    of a matrix that fails it; cuBLAS's ``prepare_matrix_for_cublas`` and ``prepare_batch_matrix_for_cublas``
+    (aten/src/ATen/native/cuda/Blas.cpp) also accept a dense one, and ``addmv_impl_cuda`` copies a vector of
+    stride 0. How much a CPU call copies is measured (the kernel it takes depends on dtype and build); a CUDA
+    kind trace computes it from cuBLAS's rule (:func:`trainledger.trace._cuda.cublas_copy_bytes`).
+    """
+    # runs for every matrix product of a step: the shape is read only where a stride is 1
+    if not isinstance(t, torch.Tensor):
+        return True
+    stride = t.stride()
+    if len(stride) < 2:
+        return not stride or stride[0] != 0 or t.shape[0] <= 1
+    a, b = stride[-2], stride[-1]
+    if b == 1 and a >= 1 and a >= t.shape[-1]:  # row-major, leading dimension at least the row
+        return True
+    return a == 1 and b >= 1 and b >= t.shape[-2]  # column-major
+
+
+def blas_copies(positions: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an operand of a matrix product at ``positions`` (or its ``out=`` result) fails :func:`blas_reads`:
+    its kernel may copy it, so the call is probed."""
+    for i in positions:
+        if i < len(args) and not blas_reads(args[i]):
+            return True
+    out = kwargs.get("out")
+    return out is not None and not blas_reads(out)
+
 
 # Ops whose CPU kernel returns a storage of another size than its meta kernel declares, so that a fake trace
 # would get it wrong: ``mse_loss``'s scalar lives in a buffer the size of its input, and oneDNN's LSTM layer
@@ -304,25 +378,32 @@ def kernel_entries(calls: list[tuple[int, str, str, KernelCall | None]]) -> tupl
         found = probes.get(call) if call is not None else None
         if found is None or not found.nbytes:
             continue
-        entries.append(
-            Entry(
-                name=f"{op}#{event}:internal",
-                category=Category.WORKSPACE,
-                role=KERNEL_INTERNAL,
-                dtype="uint8",
-                numel=found.nbytes,
-                nbytes=found.nbytes,
-                owner=module,
-                alloc_event=event,
-                free_event=event + 1,
-                evidence=found.evidence or Evidence.MEASURED,
-                shape=(found.nbytes,),
-            )
-        )
+        entries.append(internal_entry(event, op, module, found.nbytes, found.evidence or Evidence.MEASURED))
     evidence = [probes[c].evidence if c is not None else None for *_, c in calls]
     return entries, KernelCounts(
         num_estimated=sum(1 for e in evidence if e == Evidence.ESTIMATED),
         num_skipped=sum(1 for e in evidence if e is None),
+    )
+
+
+def internal_entry(
+    event: int, op: str, module: str, nbytes: int, evidence: Evidence, *, device: str = "cpu", kernel: str = ""
+) -> Entry:
+    """The ``workspace`` entry of ``nbytes`` a kernel holds inside the op at ``event`` (live at that event only)."""
+    return Entry(
+        name=f"{op}#{event}:internal",
+        category=Category.WORKSPACE,
+        role=KERNEL_INTERNAL,
+        dtype="uint8",
+        numel=nbytes,
+        nbytes=nbytes,
+        device=device,
+        owner=module,
+        alloc_event=event,
+        free_event=event + 1,
+        evidence=evidence,
+        shape=(nbytes,),
+        kernel=kernel,
     )
 
 

@@ -28,10 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainledger.inventory import dtype_name, storage_key
 from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
 from trainledger.trace._kernels import (
+    MATMUL_OPERANDS,
     NEEDS_REAL_INPUTS,
     PROBED_OPS,
     REAL_STORAGE_OPS,
     KernelCall,
+    blas_copies,
     real_output_bytes,
 )
 from trainledger.trace._scopes import ModuleScopes
@@ -254,7 +256,7 @@ class StepTracer(TorchDispatchMode):
                 module = self._updated_parameter(inputs)
         ops.append((phase, op, module))
         self.event_calls.append(call)
-        if info.probed:
+        if info.probed and (info.operands is None or blas_copies(info.operands, args, kwargs)):
             kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
             self.kernel_calls.append((index, op, module, kernel))
         storages = self.storages
@@ -561,7 +563,9 @@ class _OpInfo:
 
     name: str
     probed: bool
-    """Its kernel allocates buffers inside (:data:`PROBED_OPS`)."""
+    """Its kernel allocates buffers inside (:data:`PROBED_OPS`), or may (a matrix product: ``operands``)."""
+    operands: tuple[int, ...] | None
+    """A matrix product's operands (:data:`MATMUL_OPERANDS`): probed only where one's layout makes it copy."""
     real_storage: bool
     """Its CPU kernel returns another storage size than its meta kernel (:data:`REAL_STORAGE_OPS`)."""
     written: tuple[tuple[int, str], ...]
@@ -597,7 +601,8 @@ def _op_info(func: Any) -> _OpInfo | None:
         returns = schema.returns if schema is not None else None
         info = _OpInfo(
             name=name,
-            probed=name in PROBED_OPS,
+            probed=name in PROBED_OPS or name in MATMUL_OPERANDS,
+            operands=MATMUL_OPERANDS.get(name),
             real_storage=name in REAL_STORAGE_OPS,
             written=_write_positions(schema) if schema is not None else (),
             flat=arguments is not None
