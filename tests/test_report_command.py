@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from tests.conftest import traced_example
 from trainledger.examples import gpt_tiny
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.report.exports import write_ledger_json
@@ -36,9 +37,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def traced() -> Ledger:
-    from trainledger.trace import trace
-
-    return trace(gpt_tiny())
+    return traced_example("gpt-tiny")
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from tests.conftest import traced_example
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.report.exports import (
@@ -540,11 +541,9 @@ def test_plot_of_an_untraced_ledger(tmp_path):
 @pytest.mark.slow
 @needs_matplotlib
 def test_traced_gpt_tiny_exports_agree_with_its_ledger(tmp_path):
-    trace = pytest.importorskip("trainledger.trace")
-    from trainledger.examples import gpt_tiny
     from trainledger.report.plot import plot_timeline
 
-    led = trace.trace(gpt_tiny())
+    led = traced_example("gpt-tiny")
     snap = to_memory_viz_snapshot(led)
     initial, steps = viewer_replay(snap)
     assert bytes_at_times(steps, initial, list(range(led.num_events))) == led.totals()
