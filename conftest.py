@@ -1,10 +1,15 @@
 """The optional integrations' modules import their framework at the top: without the extra installed, their
-doctests are not collected (their tests skip and say why)."""
+doctests are not collected (their tests skip and say why). A run without the slow tests (``-m "not slow"``)
+does not import the modules that hold no doctest: Lightning and transformers' Trainer take seconds to import,
+and only slow tests use them; the whole suite collects every module."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
+
+import pytest
 
 # OpenMP's threads spin while they wait for the next parallel region: on a machine shared by several processes
 # the spinning takes the cores the other threads of the step need (the tests' CPU time was half spinning, their
@@ -20,3 +25,10 @@ collect_ignore = [
     )
     if importlib.util.find_spec(module) is None
 ]
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    fast = "not slow" in (config.getoption("markexpr") or "")
+    if fast and collection_path.suffix == ".py" and collection_path.is_relative_to(config.rootpath / "src"):
+        return ">>>" not in collection_path.read_text(encoding="utf-8") or None
+    return None

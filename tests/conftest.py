@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 
 import pytest
+
+from trainledger.ledger import Ledger
 
 
 @pytest.fixture
@@ -40,3 +43,13 @@ def run_subprocess(*argv: str, timeout: float = 120) -> subprocess.CompletedProc
     return subprocess.run(
         [sys.executable, "-m", "trainledger.cli", *argv], capture_output=True, text=True, timeout=timeout
     )
+
+
+@functools.cache
+def traced_example(name: str) -> Ledger:
+    """``trace(examples.build(name))``, traced once per run: a ledger is frozen, so the tests that read the plain
+    real trace of the same built-in example share it (each of them still traces its own variants)."""
+    from trainledger.examples import build
+    from trainledger.trace import trace
+
+    return trace(build(name))

@@ -4,6 +4,7 @@ package imports another package's private modules or names, and no module import
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -39,10 +40,18 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str) -> list[tuple[str, str | None, int]]:
+@functools.cache
+def _source(name: str) -> tuple[str, ast.Module]:
+    """A module's text and syntax tree, parsed once for every rule (the tree is only read)."""
+    text = MODULES[name].read_text()
+    return text, ast.parse(text)
+
+
+@functools.cache
+def _imports(name: str) -> tuple[tuple[str, str | None, int], ...]:
     """``(module imported, name imported from it or None, line)`` for every import of the package."""
     path = MODULES[name]
-    tree = ast.parse(path.read_text())
+    _, tree = _source(name)
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
@@ -58,7 +67,7 @@ def _imports(name: str) -> list[tuple[str, str | None, int]]:
             for alias in node.names:
                 if alias.name.startswith(PACKAGE + "."):
                     found.append((alias.name, None, node.lineno))
-    return found
+    return tuple(found)
 
 
 def _layer_name(module: str) -> str | None:
@@ -205,9 +214,10 @@ MAX_FUNCTION_LINES = 80
 def _long_functions() -> set[str]:
     """Functions longer than the limit whose first body line is not a ``# long:`` comment giving the reason."""
     found = set()
-    for name, path in MODULES.items():
-        lines = path.read_text().splitlines()
-        for node in ast.walk(ast.parse("\n".join(lines))):
+    for name in MODULES:
+        text, tree = _source(name)
+        lines = text.splitlines()
+        for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 if node.end_lineno - node.lineno + 1 <= MAX_FUNCTION_LINES:
                     continue

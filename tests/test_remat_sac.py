@@ -4,18 +4,20 @@ plans against its own memory model and budget, the plain step against our traced
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
-
-pytest.importorskip("pulp")
-pytest.importorskip("pwlf")
-
 from benchmarks.torch_sac import module_info, own_peak_bytes, sac_compare, torch_sac_extra
-from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
 
 from trainledger.commands.pareto import sac_cell
 from trainledger.examples import gpt_tiny
 from trainledger.remat import Planner
+
+# Looked up, not imported: pwlf and torch's ILP utilities take seconds to import, and only the slow tests use them.
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("pulp", "pwlf")),
+    reason="PyTorch's SAC MILP needs pulp and pwlf: pip install 'trainledger[sac]'",
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,8 @@ def test_module_info_leaves_weights_as_traced(planner):
 
 @pytest.mark.slow
 def test_plans_respect_their_own_budget_by_their_own_accounting(comparison):
+    from torch.distributed._tools.ilp_utils import parse_module_info
+
     info = comparison.module_info
     graph = parse_module_info(copy.deepcopy(info))
     acm = {n["fqn"]: n["sac_memory"] for n in graph.nodes}
@@ -77,6 +81,8 @@ def test_plans_respect_their_own_budget_by_their_own_accounting(comparison):
 
 @pytest.mark.slow
 def test_empty_plan_is_its_baseline_and_leaves_out_the_optimizer(planner, comparison):
+    from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
+
     graph = parse_module_info(copy.deepcopy(comparison.module_info))
     baseline, _ = get_peak_memory_runtime_baseline(graph)
     assert own_peak_bytes(graph, {}) == baseline == comparison.baseline_peak_bytes

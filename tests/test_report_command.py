@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from tests.conftest import traced_example
 from trainledger.examples import gpt_tiny
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.report.exports import write_ledger_json
@@ -36,9 +37,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def traced() -> Ledger:
-    from trainledger.trace import trace
-
-    return trace(gpt_tiny())
+    return traced_example("gpt-tiny")
 
 
 @pytest.fixture
@@ -60,23 +59,26 @@ def _rendered(render, result) -> str:
     return buf.getvalue()
 
 
-_RUNS: dict[tuple[str, ...], tuple[str, str]] = {}
-"""A deterministic command's printed JSON and text, by its arguments: run once for the tests of this file
-(strings: no test can change what another reads)."""
+_RUNS: dict[tuple[str, ...], str] = {}
+"""A deterministic command's printed output, by its arguments (``--json`` last for the JSON): run once for the
+tests of this file (strings: no test can change what another reads)."""
 
 
-def _saved(cli, tmp_path: Path, name: str, *argv: str) -> tuple[Path, dict, str]:
-    """Run a command with --json into a file and once more without; returns (file, its JSON, the text)."""
+def _printed(cli, tmp_path: Path, *argv: str) -> str:
     if argv not in _RUNS or any(a.startswith(str(tmp_path)) for a in argv):
-        code, out, err = cli(*argv, "--json")
+        code, out, err = cli(*argv)
         assert code == 0, err
-        code, text, err = cli(*argv)
-        assert code == 0, err
-        _RUNS[argv] = (out, text)
-    out, text = _RUNS[argv]
+        _RUNS[argv] = out
+    return _RUNS[argv]
+
+
+def _saved(cli, tmp_path: Path, name: str, *argv: str, text: bool = False) -> tuple[Path, dict, str | None]:
+    """Run a command with --json into a file and, with ``text``, once more without; returns (file, its JSON, the
+    text or None)."""
+    out = _printed(cli, tmp_path, *argv, "--json")
     path = tmp_path / name
     path.write_text(out)
-    return path, json.loads(out), text
+    return path, json.loads(out), _printed(cli, tmp_path, *argv) if text else None
 
 
 def _report(cli, *argv: str) -> str:
@@ -111,7 +113,7 @@ DETERMINISTIC = {
 @pytest.mark.parametrize("name", list(DETERMINISTIC))
 def test_report_prints_what_the_command_printed(cli, tmp_path, name):
     """Every number of the command's tables, byte for byte: the command was run twice (deterministic)."""
-    path, original, text = _saved(cli, tmp_path, f"{name}.json", *DETERMINISTIC[name])
+    path, original, text = _saved(cli, tmp_path, f"{name}.json", *DETERMINISTIC[name], text=True)
     out = _report(cli, str(path))
     assert out.splitlines()[0] == f"read {path} ({original.get('result')})"
     assert _text(out) == _text(text)

@@ -18,13 +18,15 @@ import os
 import pickle
 import pickletools
 import re
+import runpy
 import struct
-import subprocess
 import sys
+import warnings
 import xml.etree.ElementTree as ET
 
 import pytest
 
+from tests.conftest import traced_example
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.report.exports import (
@@ -258,7 +260,7 @@ _VIEWER_OPCODES = {
 }  # fmt: skip
 
 
-def test_written_pickle_is_readable_by_the_viewer_and_torch(tmp_path):
+def test_written_pickle_is_readable_by_the_viewer_and_torch(tmp_path, capsys, monkeypatch):
     led = hand_ledger()
     path = write_memory_viz(led, tmp_path / "step.pickle")
     raw = path.read_bytes()
@@ -268,15 +270,15 @@ def test_written_pickle_is_readable_by_the_viewer_and_torch(tmp_path):
     for html in (mv.trace_plot(pickle.loads(raw)), mv.segment_plot(pickle.loads(raw))):
         payload = json.loads(re.search(r"const local_files = (\[.*?\])\n", html).group(1))[0]["base64"]
         assert pickle.loads(base64.b64decode(payload)) == to_memory_viz_snapshot(led)
-    # And torch's command line reads the file as a user would run it.
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert f"total_allocated: {mv.Bytes(HAND_AFTER_STEP)}" in proc.stdout
+    # And torch's command line reads the file as a user would run it (``python -m torch.cuda._memory_viz stats``;
+    # its ``__main__`` block run here, not in a new process that imports torch again).
+    monkeypatch.setattr(sys, "argv", ["_memory_viz.py", "stats", str(path)])
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already (as ``mv``)
+        runpy.run_module("torch.cuda._memory_viz", run_name="__main__")
+    out, err = capsys.readouterr()
+    assert f"total_allocated: {mv.Bytes(HAND_AFTER_STEP)}" in out, err
 
 
 def test_snapshot_device_index_follows_the_ledger():
@@ -539,11 +541,9 @@ def test_plot_of_an_untraced_ledger(tmp_path):
 @pytest.mark.slow
 @needs_matplotlib
 def test_traced_gpt_tiny_exports_agree_with_its_ledger(tmp_path):
-    trace = pytest.importorskip("trainledger.trace")
-    from trainledger.examples import gpt_tiny
     from trainledger.report.plot import plot_timeline
 
-    led = trace.trace(gpt_tiny())
+    led = traced_example("gpt-tiny")
     snap = to_memory_viz_snapshot(led)
     initial, steps = viewer_replay(snap)
     assert bytes_at_times(steps, initial, list(range(led.num_events))) == led.totals()

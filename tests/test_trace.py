@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from tests.conftest import traced_example
 from trainledger import examples
 from trainledger.errors import InputError
 from trainledger.ledger import Category, Evidence
@@ -31,12 +32,12 @@ def profiler_peak(name: str) -> int:
 def test_traced_peak_equals_the_profilers_allocation_count(name):
     # Tensor storages, plus the buffers convolution, BatchNorm and LSTM kernels hold inside one op (measured
     # by running each kernel alone): the trace must be exact.
-    assert trace(examples.build(name)).peak().bytes == profiler_peak(name)
+    assert traced_example(name).peak().bytes == profiler_peak(name)
 
 
 @pytest.mark.slow
 def test_kernel_buffers_are_what_a_tensor_trace_misses_on_a_conv_net():
-    led = trace(examples.build("unet-small"))
+    led = traced_example("unet-small")
     tensors_only = trace(examples.build("unet-small"), kernel_workspace=False)
     internal = [e for e in led.entries if e.role == KERNEL_INTERNAL]
     assert internal and all(e.evidence == Evidence.MEASURED and e.free_event == e.alloc_event + 1 for e in internal)
@@ -52,7 +53,7 @@ def test_unprobed_kernel_buffers_are_small_and_measured(name):
     # A few bytes of Python scalars wrapped as tensors inside kernels remain unseen; measured mode sees them.
     from trainledger.measure import measure
 
-    traced = trace(examples.build(name)).peak().bytes
+    traced = traced_example(name).peak().bytes
     oracle = profiler_peak(name)
     assert 0 <= oracle - traced <= 512
     m = measure(examples.build(name), num_steps=1)
@@ -117,7 +118,7 @@ def _signature(led):
 
 @pytest.mark.parametrize("name", FAKEABLE_EXACT)
 def test_fake_trace_is_identical_event_by_event(name):
-    real = trace(examples.build(name))
+    real = traced_example(name)
     fake = trace(examples.build(name), fake=True)
     assert _signature(real) == _signature(fake)
     assert fake.meta["fake"] is True
@@ -237,7 +238,7 @@ def test_optimizer_ops_name_the_parameter_they_update():
 
 
 def test_every_event_has_a_phase_and_backward_events_name_their_module():
-    led = trace(examples.gpt_tiny())
+    led = traced_example("gpt-tiny")
     phases = {e.phase for e in led.events}
     assert phases <= {"forward", "backward", "optimizer", "zero_grad"} and "backward" in phases
     bwd_modules = {e.module for e in led.events if e.phase == "backward"}
@@ -245,7 +246,7 @@ def test_every_event_has_a_phase_and_backward_events_name_their_module():
 
 
 def test_frozen_reference_under_no_grad_works():
-    led = trace(examples.dpo())
+    led = traced_example("dpo")
     frozen = sum(e.nbytes for e in led.select(category=Category.FROZEN))
     w = examples.dpo()
     assert frozen == sum(p.numel() * p.element_size() for p in w.reference.parameters())
