@@ -60,7 +60,7 @@ def test_fake_trace_equals_real_trace(path):
             {"input_features": (3, 16, 64), "decoder_input_ids": (3, 16), "labels": (3, 16)},
         ),
         # 16 frames of audio after a front end striding 5 × 4 × 4 samples; transcripts half as long
-        ("wav2vec2-ctc-small", "ctc", {"input_values": (3, 16 * 80), "labels": (3, 8)}),
+        ("wav2vec2-ctc", "ctc", {"input_values": (3, 16 * 80), "labels": (3, 8)}),
         # text and images from the sub-configs; the model's own contrastive loss
         ("clip-tiny", "contrastive", {"input_ids": (3, 16), "pixel_values": (3, 3, 32, 32), "return_loss": True}),
     ],
@@ -132,7 +132,7 @@ def test_remote_code_is_refused_and_its_map_ignored_beside_a_known_type(tmp_path
             "cannot build Phi3ForCausalLM from this config: Padding_idx must be within num_embeddings",
         ),
         # CTC's loss reads its labels' values (their largest, their lengths): not on fake tensors
-        ("wav2vec2-ctc-small", ["--seq-len", "32"], "data-dependent shapes"),
+        ("wav2vec2-ctc", ["--seq-len", "32"], "data-dependent shapes"),
     ],
 )
 def test_bad_configs_are_one_line_and_exit_2(tmp_path, capsys, config, flags, message):
