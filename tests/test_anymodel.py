@@ -251,3 +251,24 @@ def test_a_model_that_reads_its_weights_while_built_is_one_line_on_fake_tensors(
 def _built_under(mode, cls):
     with mode if mode is not None else contextlib.nullcontext():
         return cls()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "task", "analytic"),
+    [
+        ("LlamaForCausalLM", "causal-lm", True),
+        ("LlamaForSequenceClassification", "sequence-classification", False),
+        ("LlamaForQuestionAnswering", "question-answering", False),
+    ],
+)
+def test_a_family_config_naming_another_head_is_built_with_that_head(tmp_path, architecture, task, analytic):
+    import argparse
+
+    from trainledger.commands.trace import in_analytic_family
+
+    raw = json.loads((FIXTURES / "llama-small.json").read_text()) | {"architectures": [architecture]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    assert in_analytic_family(argparse.Namespace(task=None, hf_config=str(path))) is analytic
+    cfg = load_any_config(path)
+    assert (cfg.task, cfg.class_name) == (task, architecture)

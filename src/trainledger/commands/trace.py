@@ -153,7 +153,14 @@ def in_analytic_family(args: argparse.Namespace) -> bool:
     few layers deep; any other architecture is built whole by :mod:`trainledger.anymodel`."""
     if args.task not in (None, "causal-lm"):
         return False
-    return load_config_file(args.hf_config).get("model_type") in FAMILIES
+    raw = load_config_file(args.hf_config)
+    if raw.get("model_type") not in FAMILIES:
+        return False
+    if args.task is None and raw.get("architectures"):  # LlamaForSequenceClassification: not a causal LM
+        from trainledger.anymodel import load_any_config
+
+        return load_any_config(raw).task == "causal-lm"
+    return True
 
 
 def _any_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
