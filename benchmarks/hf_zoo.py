@@ -6,29 +6,33 @@ For every row a tiny config is built locally from ``transformers``' own config c
 
 - ``trainledger trace --hf-config config.json --fake --json`` (fake tensors),
 - ``trainledger trace --hf-config config.json --json`` (the same step on real tensors),
-- ``trainledger estimate --hf-config config.json --json`` (a number for the analytic families; for the
-  others one line saying that only the trace covers them).
+- ``trainledger estimate --hf-config config.json --device-kind cpu --json`` (a number for the analytic families,
+  with the kernels traced here; for the others one line saying that only the trace covers them).
 
 The fake and the real traced peaks are expected to be equal to the byte. Every step is micro-batch 2, fp32,
-AdamW; sequences are 32 long (tokens, or audio frames). A command that fails prints its last line of stderr into the table, and its
-exit status (2: refused in one line, as a user error; anything else: a crash).
+AdamW; sequences are 32 long (tokens, or audio frames). A command that fails prints its last line of stderr
+into the table, and its exit status (2: refused in one line, as a user error; anything else: a crash).
 
 Run from the repository root (a few minutes on a small machine):
 
     python -m benchmarks.hf_zoo                      # every row
     python -m benchmarks.hf_zoo --only bart whisper  # some rows
 
-It prints a Markdown table and writes it to ``benchmarks/results/hf_zoo.md`` (``--out``).
+It prints each row as it ends, keeps the results in ``benchmarks/results/hf_zoo.json`` (``--only`` re-runs some
+rows and keeps the others') and writes the Markdown table to ``benchmarks/results/hf_zoo.md`` (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
-import os
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,21 +364,41 @@ def write_config(arch: Arch, folder: Path) -> Path:
     return path
 
 
-def _run(args: list[str], timeout_s: float) -> dict[str, Any]:
-    """One command in a fresh process: its JSON report, or its exit status and last line of stderr."""
+def _run(args: list[str], timeout_s: float | None) -> dict[str, Any]:
+    """One command in a fresh process (``timeout_s`` None: in this one, without a timeout): its traced or
+    estimated peak, or its exit status and last line of stderr."""
     cmd = [sys.executable, "-m", "trainledger.cli", *args, "--json"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "line": f"over {timeout_s:.0f} s"}
-    if proc.returncode:
-        lines = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
-        return {"status": proc.returncode, "line": lines[-1][:200], "traceback": "Traceback" in proc.stderr}
-    return {"status": 0, "report": json.loads(proc.stdout)}
+    if timeout_s is None:
+        returncode, stdout, stderr = _in_process([*args, "--json"])
+    else:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "line": f"over {timeout_s:.0f} s"}
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode:
+        lines = stderr.strip().splitlines() or [f"exit {returncode}"]
+        return {"status": returncode, "line": lines[-1][:200], "traceback": "Traceback" in stderr}
+    return {"status": 0, "peak": json.loads(stdout).get("peak", {}).get("bytes")}
 
 
-def run_row(arch: Arch, timeout_s: float) -> dict[str, Any]:
+def _in_process(args: list[str]) -> tuple[int, str, str]:
+    """The command line's ``main`` called here: the imports paid once (minutes saved on a loaded machine)."""
+    from trainledger.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(args)
+        except SystemExit as exc:  # argparse's own errors
+            status = exc.code if isinstance(exc.code, int) else 2
+        except Exception:
+            traceback.print_exc()
+            status = 1
+    return status, out.getvalue(), err.getvalue()
+
+
+def run_row(arch: Arch, timeout_s: float | None) -> dict[str, Any]:
     """The three commands of one architecture."""
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_config(arch, Path(tmp)))
@@ -384,25 +408,23 @@ def run_row(arch: Arch, timeout_s: float) -> dict[str, Any]:
         return {
             "fake": _run([*trace, "--fake"], timeout_s),
             "real": _run(trace, timeout_s),
-            "estimate": _run(["estimate", "--hf-config", path, *step], timeout_s),
+            "estimate": _run(["estimate", "--hf-config", path, *step, "--device-kind", "cpu"], timeout_s),
         }
 
 
-def _cell(result: dict[str, Any], key: str) -> str:
+def _cell(result: dict[str, Any]) -> str:
     if result["status"] == 0:
-        return f"{result['report'][key]['bytes']:,}" if key == "peak" else "ok"
+        return f"{result['peak']:,}"
     kind = "crash" if result.get("traceback") or result["status"] not in (2, "timeout") else "refused"
     return f"{kind} ({result['status']}): {result['line'].replace('|', '/')}"
 
 
 def _estimate_cell(result: dict[str, Any]) -> str:
     if result["status"] == 0:
-        report = result["report"]
-        peak = report.get("peak", {}).get("bytes")
-        return f"{peak:,}" if isinstance(peak, int) else "ok"
+        return f"{result['peak']:,}" if isinstance(result["peak"], int) else "ok"
     if result["status"] == 2 and "only the trace covers it" in result["line"]:
         return "trace only"
-    return _cell(result, "peak")
+    return _cell(result)
 
 
 def line(arch: Arch, r: dict[str, Any]) -> str:
@@ -411,43 +433,59 @@ def line(arch: Arch, r: dict[str, Any]) -> str:
     both = fake["status"] == 0 and real["status"] == 0
     agree = ""
     if both:
-        f, g = fake["report"]["peak"]["bytes"], real["report"]["peak"]["bytes"]
+        f, g = fake["peak"], real["peak"]
         agree = "yes" if f == g else f"no ({f - g:+,})"
     task = arch.task or "(architectures)"
     return (
-        f"| {arch.name} | {arch.architecture} | {task} | {_cell(fake, 'peak')} | {_cell(real, 'peak')} | {agree} "
+        f"| {arch.name} | {arch.architecture} | {task} | {_cell(fake)} | {_cell(real)} | {agree} "
         f"| {_estimate_cell(r['estimate'])} |"
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="rows to run (default: all)")
+    ap.add_argument(
+        "--only", nargs="+", metavar="NAME", help="rows to run (default: all); the others keep their results"
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds per command (default 300)")
     ap.add_argument("--jobs", type=int, default=1, help="rows run at once (default 1)")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the commands in this process, one at a time, without a timeout (imports paid once)",
+    )
     ap.add_argument("--out", default="hf_zoo.md")
     args = ap.parse_args()
     rows = [r for r in ROWS if not args.only or r.name in args.only]
     import torch
     import transformers
 
+    saved = RESULTS / (Path(args.out).stem + ".json")
+    results = json.loads(saved.read_text()) if args.only and saved.exists() else {}
+    lock = threading.Lock()
+
+    def run(arch: Arch) -> None:
+        result = run_row(arch, None if args.in_process else args.timeout)
+        with lock:  # each row kept as it ends: a long sweep can be resumed with --only
+            results[arch.name] = result
+            print(line(arch, result), flush=True)
+            saved.write_text(json.dumps(results, indent=1) + "\n")
+
+    RESULTS.mkdir(exist_ok=True)
+    with ThreadPoolExecutor(1 if args.in_process else args.jobs) as pool:
+        list(pool.map(run, rows))
+    lines = [line(a, results[a.name]) for a in ROWS if a.name in results]
+    agree = sum(" | yes | " in text for text in lines)
     head = [
         f"Tiny configs traced fake and real (transformers {transformers.__version__}, torch {torch.__version__}); "
-        "micro-batch 2, fp32, AdamW, sequences of 32 (tokens, or audio frames); `python -m benchmarks.hf_zoo`.",
+        "micro-batch 2, fp32, AdamW, sequences of 32 (tokens, or audio frames); "
+        f"`python -m benchmarks.hf_zoo{' --in-process' if args.in_process else ''}`.",
         "",
-        "| row | class | --task | fake peak | real peak | fake = real | estimate |",
+        "| row | architectures | --task | fake peak | real peak | fake = real | estimate |",
         "|---|---|---|---:|---:|---|---:|",
     ]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda a: run_row(a, args.timeout), rows))
-    lines = [line(a, r) for a, r in zip(rows, results, strict=True)]
-    for text in lines:
-        print(text, flush=True)
-    agree = sum(" | yes | " in text for text in lines)
-    tail = ["", f"{agree} of {len(rows)} rows traced fake and real to the same peak byte."]
-    text = "\n".join(head + lines + tail) + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / args.out).write_text(text)
+    tail = ["", f"{agree} of {len(lines)} rows traced fake and real to the same peak byte."]
+    (RESULTS / args.out).write_text("\n".join(head + lines + tail) + "\n")
 
 
 if __name__ == "__main__":
