@@ -2,10 +2,12 @@
 
 The analytic model knows seven decoder families (:mod:`trainledger.hf` builds those); tracing needs no
 per-family code. This module builds every other architecture that ``transformers`` ships, from a local
-``config.json`` and without remote code: the task (and so the ``AutoModelFor…`` class) comes from the
-config's ``architectures`` or from an explicit ``task``, and the batch is synthesized from what that task's
-model takes — ``input_ids`` and ``labels`` for language models (``decoder_input_ids`` too for
-encoder–decoders), ``pixel_values`` and class labels for image classifiers. The loss is the model's own.
+``config.json`` and without remote code: the class is the one the config's ``architectures`` names (or the
+first one of an explicit ``task``), and the batch is synthesized from the model's main input and the task's
+labels — ``input_ids`` and ``labels`` for language models (``decoder_input_ids`` too for encoder–decoders),
+answer spans for question answering, ``pixel_values`` with a class per image or per pixel, audio samples or
+log-mel features with transcripts, image–text pairs for a contrastive model. The loss is the model's own.
+Sizes are read where the config keeps them, its text and vision sub-configs included.
 
 A config whose ``model_type`` transformers does not know and that names remote code (``auto_map``) is
 refused: ``trust_remote_code`` is never set. ``auto_map`` beside a known ``model_type`` and a
