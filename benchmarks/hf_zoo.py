@@ -378,7 +378,7 @@ def _run(args: list[str], timeout_s: float | None) -> dict[str, Any]:
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     if returncode:
         lines = stderr.strip().splitlines() or [f"exit {returncode}"]
-        return {"status": returncode, "line": lines[-1][:200], "traceback": "Traceback" in stderr}
+        return {"status": returncode, "line": lines[-1], "traceback": "Traceback" in stderr}
     return {"status": 0, "peak": json.loads(stdout).get("peak", {}).get("bytes")}
 
 
@@ -405,11 +405,15 @@ def run_row(arch: Arch, timeout_s: float | None) -> dict[str, Any]:
         step = ["--micro-batch", "2", "--dtype", "fp32", *(["--seq-len", "32"] if arch.sequence else [])]
         task = ["--task", arch.task] if arch.task else []
         trace = ["trace", "--hf-config", path, *step, *task]
-        return {
+        results = {
             "fake": _run([*trace, "--fake"], timeout_s),
             "real": _run(trace, timeout_s),
             "estimate": _run(["estimate", "--hf-config", path, *step, "--device-kind", "cpu"], timeout_s),
         }
+    for result in results.values():  # the temporary folder means nothing once it is gone
+        if "line" in result:
+            result["line"] = result["line"].replace(path, "config.json").replace(tmp, "")[:200]
+    return results
 
 
 def _cell(result: dict[str, Any]) -> str:
