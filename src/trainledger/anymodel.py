@@ -2,10 +2,12 @@
 
 The analytic model knows seven decoder families (:mod:`trainledger.hf` builds those); tracing needs no
 per-family code. This module builds every other architecture that ``transformers`` ships, from a local
-``config.json`` and without remote code: the task (and so the ``AutoModelFor…`` class) comes from the
-config's ``architectures`` or from an explicit ``task``, and the batch is synthesized from what that task's
-model takes — ``input_ids`` and ``labels`` for language models (``decoder_input_ids`` too for
-encoder–decoders), ``pixel_values`` and class labels for image classifiers. The loss is the model's own.
+``config.json`` and without remote code: the class is the one the config's ``architectures`` names (or the
+first one of an explicit ``task``), and the batch is synthesized from the model's main input and the task's
+labels — ``input_ids`` and ``labels`` for language models (``decoder_input_ids`` too for encoder–decoders),
+answer spans for question answering, ``pixel_values`` with a class per image or per pixel, audio samples or
+log-mel features with transcripts, image–text pairs for a contrastive model. The loss is the model's own.
+Sizes are read where the config keeps them, its text and vision sub-configs included.
 
 A config whose ``model_type`` transformers does not know and that names remote code (``auto_map``) is
 refused: ``trust_remote_code`` is never set. ``auto_map`` beside a known ``model_type`` and a
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -39,20 +42,29 @@ from trainledger.workload import Workload
 
 _Built = TypeVar("_Built")
 
-TASKS: dict[str, tuple[str, str]] = {
-    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
-    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
-    "masked-lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
-    "sequence-classification": (
-        "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-        "AutoModelForSequenceClassification",
-    ),
-    "token-classification": ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "AutoModelForTokenClassification"),
-    "image-classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+TASKS: dict[str, str] = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "semantic-segmentation": "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "audio-classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "contrastive": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
-"""The tasks a batch can be synthesized for: each one's ``model_type → class`` table in transformers and
-its ``AutoModelFor…`` class. Without ``architectures`` or ``task`` the first task that has a class for the
-config's ``model_type`` is taken, in this order."""
+"""The tasks a batch can be synthesized for, each with its ``model_type → classes`` table in transformers
+(``contrastive``: image–text models such as CLIP and SigLIP, trained with their own contrastive loss). Without
+``architectures`` or ``task`` the first task that has a class for the config's ``model_type`` is taken, in this
+order."""
+
+PIXEL_TASKS = frozenset({"image-classification", "semantic-segmentation", "contrastive"})
+"""Tasks whose inputs include images (``--image-size`` applies)."""
+IMAGE_ONLY_TASKS = frozenset({"image-classification", "semantic-segmentation"})
+"""Tasks that read no sequence (``--seq-len`` does not apply; for audio it is the encoder's frames)."""
 
 _DROPPED_KEYS = ("auto_map", "quantization_config", "torch_dtype", "dtype", "attn_implementation", "architectures")
 
@@ -81,17 +93,18 @@ class AnyConfig:
         return f"{self.model_type}:{Path(self.source).stem if self.source else 'config'}"
 
 
-def _task_table(tf: Any, task: str) -> dict[str, str]:
+def _task_table(task: str) -> dict[str, tuple[str, ...]]:
+    """``model_type → classes`` of one task (transformers names one class, or several: DeiT's with a teacher)."""
     from transformers.models.auto import modeling_auto
 
-    del tf  # imported first, with the Hub switched off
-    return dict(getattr(modeling_auto, TASKS[task][0]))
+    table = getattr(modeling_auto, TASKS[task], {})
+    return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in table.items()}
 
 
 def _choose_task(tf: Any, raw: dict[str, Any], task: str | None) -> tuple[str, str]:
     """The task and class: the one asked for, or the one ``architectures`` names, or the first with a class."""
     model_type = raw["model_type"]
-    tables = {t: _task_table(tf, t) for t in TASKS}
+    tables = {t: _task_table(t) for t in TASKS}
     offered = [t for t in TASKS if model_type in tables[t]]
     if task is not None:
         if task not in TASKS:
@@ -101,20 +114,28 @@ def _choose_task(tf: Any, raw: dict[str, Any], task: str | None) -> tuple[str, s
                 f"transformers has no {task} model for model_type {model_type!r}; "
                 f"accepted for it: {', '.join(offered) or 'none of ' + ', '.join(TASKS)}"
             )
-        return task, tables[task][model_type]
+        return task, tables[task][model_type][0]
     named = raw.get("architectures") or []
-    for class_name in named if isinstance(named, list) else []:
+    named = [n for n in named if isinstance(n, str)] if isinstance(named, list) else []
+    for class_name in named:
         for t in offered:
-            if tables[t][model_type] == class_name:
+            if class_name in tables[t][model_type]:
                 return t, class_name
     if named:
+        missing = [n for n in named if not hasattr(tf, n)]
+        if missing:
+            raise InputError(
+                f"transformers {tf.__version__} has no model class {missing[0]!r} (the config's architectures); "
+                f"give a class it ships, or drop architectures and give --task, one of: "
+                f"{', '.join(offered) or 'none for ' + repr(model_type)}"
+            )
         raise InputError(
             f"architecture {named[0]!r} is none of the tasks a batch can be made for; "
             f"give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
         )
     if not offered:
         raise InputError(f"model_type {model_type!r} has no model for any of the tasks {', '.join(TASKS)}")
-    return offered[0], tables[offered[0]][model_type]
+    return offered[0], tables[offered[0]][model_type][0]
 
 
 def load_any_config(path: str | Path | dict[str, Any], *, task: str | None = None) -> AnyConfig:
@@ -163,16 +184,33 @@ def _notes(raw: dict[str, Any]) -> tuple[str, ...]:
 def _transformers_config(cfg: AnyConfig, attn_impl: str, image_size: int | None) -> Any:
     tf = import_transformers()
     kwargs = {k: v for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
-    if image_size is not None:
+    if image_size is not None and "vision_config" not in kwargs:
         kwargs["image_size"] = image_size
     with quiet_transformers():
         try:
             config = tf.AutoConfig.for_model(cfg.model_type, **kwargs)
         except (TypeError, ValueError, KeyError) as exc:
             raise InputError(f"transformers rejects the {cfg.model_type} config: {exc}") from exc
+    if image_size is not None and getattr(config, "vision_config", None) is not None:
+        config.vision_config.image_size = image_size  # an image–text model's sizes live in its sub-configs
     config.use_cache = False  # a training step keeps no key/value cache
     config._attn_implementation = attn_impl
     return config
+
+
+_POSITIONS = ("max_position_embeddings", "n_positions", "max_target_positions", "max_seq_len")
+
+
+def max_positions(cfg: AnyConfig) -> int | None:
+    """The most tokens the architecture takes (its text model's positions: BERT's 512, Whisper's decoder's
+    448), or ``None`` where nothing bounds them (T5's relative positions)."""
+    config = _transformers_config(cfg, "eager", None)
+    for where in (config.get_text_config(), config):
+        for name in _POSITIONS:
+            value = getattr(where, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def _no_init(mode: Any) -> contextlib.AbstractContextManager[Any]:
@@ -202,29 +240,42 @@ def build_any_model(
     An architecture without SDPA attention is built with its eager attention instead.
     """
     tf = import_transformers()
-    auto = getattr(tf, TASKS[cfg.task][1])
+    model_class = getattr(tf, cfg.class_name)
     if mode is None:
         torch.manual_seed(seed)
     for impl in (attn_impl, "eager"):
         config = _transformers_config(cfg, impl, image_size)
         with quiet_transformers(), mode if mode is not None else contextlib.nullcontext(), _no_init(mode):
             try:
-                model = auto.from_config(config, dtype=dtype, trust_remote_code=False)
+                model = model_class._from_config(config, dtype=dtype)
                 if mode is not None:
                     model.tie_weights()  # initialisation, skipped on fake tensors, is where weights are tied
             except ValueError as exc:
                 if impl != "eager" and "attention" in str(exc).lower():
                     continue  # no SDPA path for this architecture
-                raise InputError(f"transformers cannot build {cfg.class_name}: {exc}") from exc
+                raise InputError(f"transformers cannot build {cfg.class_name}: {_one_line(exc)}") from exc
+            except RuntimeError as exc:
+                if type(exc).__name__ in _READS_VALUES:
+                    raise  # read a value while built: build_fake builds it again without weights
+                raise InputError(f"transformers cannot build {cfg.class_name}: {_one_line(exc)}") from exc
+            except (AssertionError, TypeError, KeyError, IndexError, AttributeError) as exc:
+                # a config transformers accepts but its modules do not (a pad token outside the vocabulary)
+                raise InputError(
+                    f"transformers cannot build {cfg.class_name} from this config: {_one_line(exc)}"
+                ) from exc
         model.train()
         return model
     raise AssertionError("unreachable: eager attention is always tried last")
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
 def default_seq_len(cfg: AnyConfig, wanted: int) -> int:
     """``wanted`` tokens, or fewer when the architecture has fewer positions (BERT's 512)."""
-    positions = cfg.raw.get("max_position_embeddings")
-    return min(wanted, positions) if isinstance(positions, int) and positions > 0 else wanted
+    positions = max_positions(cfg)
+    return wanted if positions is None else min(wanted, positions)
 
 
 def _check_step(cfg: AnyConfig, setup: Setup, image_size: int | None, fake: bool) -> None:
@@ -246,46 +297,136 @@ def _check_step(cfg: AnyConfig, setup: Setup, image_size: int | None, fake: bool
         )
     if image_size is not None and (not isinstance(image_size, int) or image_size < 1):
         raise InputError(f"image size {image_size!r} must be a whole number of pixels above 0, e.g. 224")
-    if image_size is not None and cfg.task != "image-classification":
-        raise InputError(f"image size applies to image classification; a {cfg.task} step reads tokens: drop it")
-    if cfg.task != "image-classification" and setup.seq_len > default_seq_len(cfg, setup.seq_len):
+    if image_size is not None and cfg.task not in PIXEL_TASKS:
+        raise InputError(f"image size applies to tasks that read images; a {cfg.task} step reads none: drop it")
+    positions = None if cfg.task in IMAGE_ONLY_TASKS else max_positions(cfg)
+    if positions is not None and setup.seq_len > positions:
         raise InputError(
-            f"sequence length {setup.seq_len:,} is above the {cfg.raw['max_position_embeddings']:,} positions of "
-            f"this {cfg.model_type} config; give at most that"
+            f"sequence length {setup.seq_len:,} is above the {positions:,} positions of this {cfg.model_type} "
+            "config; give at most that"
         )
 
 
-def _pixels(config: Any, micro_batch: int, dtype: torch.dtype, fake: bool, gen: torch.Generator) -> torch.Tensor:
-    """``(B, C, H, W)`` images at the config's size (square unless it names two sides)."""
+@dataclass(frozen=True)
+class _Draw:
+    """Values of the batch: random for a real build, zeros made in ``mode`` for a fake one (the same shapes)."""
+
+    mode: Any
+    gen: torch.Generator
+    dtype: torch.dtype
+
+    def ints(self, shape: tuple[int, ...], high: int, low: int = 0) -> torch.Tensor:
+        if self.mode is not None:
+            return torch.zeros(shape, dtype=torch.long)
+        return torch.randint(low, max(high, low + 1), shape, generator=self.gen)
+
+    def floats(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        return (
+            torch.zeros(shape, dtype=dtype)
+            if self.mode is not None
+            else torch.randn(shape, generator=self.gen).to(dtype)
+        )
+
+
+def _image_side(config: Any) -> tuple[int, int, int]:
+    """Channels, height and width of the images a (vision) config takes (square unless it names two sides)."""
     size = getattr(config, "image_size", None) or 224
     height, width = (size, size) if isinstance(size, int) else tuple(size)
-    shape = (micro_batch, getattr(config, "num_channels", 3), height, width)
-    return torch.zeros(shape, dtype=dtype) if fake else torch.randn(shape, generator=gen).to(dtype)
+    return getattr(config, "num_channels", 3), height, width
 
 
-def _batch(cfg: AnyConfig, config: Any, setup: Setup, dtype: torch.dtype, mode: Any, seed: int) -> dict[str, Any]:
+def _audio(model: nn.Module, setup: Setup, draw: _Draw) -> dict[str, torch.Tensor]:
+    """Audio inputs: raw samples (``input_values``, as many as make ``seq_len`` frames after a wav2vec2-style
+    convolutional front end) or log-mel features (``input_features``: Whisper's fixed 30-second window, or
+    ``seq_len`` frames of filterbank features)."""
+    config, b, t = model.config, setup.micro_batch, setup.seq_len
+    if model.main_input_name == "input_values":
+        hop = math.prod(getattr(config, "conv_stride", None) or (1,))
+        return {"input_values": draw.floats((b, t * hop))}
+    mels = getattr(config, "num_mel_bins", None)
+    if mels and getattr(config, "max_source_positions", None):  # Whisper: 2 frames per encoder position
+        return {"input_features": draw.floats((b, mels, 2 * config.max_source_positions))}
+    width = getattr(config, "input_feat_per_channel", None) or mels or getattr(config, "feature_size", None)
+    if not width:
+        raise InputError(
+            f"{type(model).__name__} takes input_features whose shape its config does not name; "
+            "trainledger cannot synthesize them: give --model file.py:factory with a batch of your own"
+        )
+    return {"input_features": draw.floats((b, t, width * getattr(config, "input_channels", 1)))}
+
+
+def _token_ids(config: Any, task: str, setup: Setup, draw: _Draw) -> torch.Tensor:
+    """Random token ids; an encoder–decoder classifier reads the state at each row's one end-of-sequence token
+    (BART's), so there each row ends with it and holds it nowhere else."""
+    vocab = config.get_text_config().vocab_size
+    eos = getattr(config, "eos_token_id", None)
+    if not (task == "sequence-classification" and config.is_encoder_decoder and isinstance(eos, int)):
+        return draw.ints((setup.micro_batch, setup.seq_len), vocab)
+    ids = draw.ints((setup.micro_batch, setup.seq_len - 1), vocab - 1)
+    ids = ids + (ids >= eos).long()  # every id but eos
+    return torch.cat([ids, torch.full((setup.micro_batch, 1), eos, dtype=torch.long)], dim=1)
+
+
+def _inputs(model: nn.Module, task: str, setup: Setup, draw: _Draw) -> dict[str, Any]:
+    """What the model reads: token ids, images, audio, or (``contrastive``) token ids and images."""
+    config, b = model.config, setup.micro_batch
+    name = model.main_input_name
+    if name in ("input_values", "input_features"):
+        return _audio(model, setup, draw)
+    vision = getattr(config, "vision_config", None) or config
+    pixels = {"pixel_values": draw.floats((b, *_image_side(vision)))}
+    if name == "pixel_values":
+        return pixels
+    if name != "input_ids":
+        raise InputError(
+            f"{type(model).__name__} reads {name!r}, which trainledger cannot synthesize; "
+            "give --model file.py:factory with a batch of your own"
+        )
+    ids = {"input_ids": _token_ids(config, task, setup, draw)}
+    if task == "contrastive":  # image–text pairs; the model computes its own contrastive loss when asked
+        return {**ids, **pixels, "return_loss": True}
+    return ids
+
+
+def _class_labels(config: Any, draw: _Draw, b: int) -> torch.Tensor:
+    """One label per example: a class, or a float for regression (one label) and multi-label problems."""
+    if config.problem_type == "multi_label_classification":
+        return draw.floats((b, config.num_labels), torch.float32)
+    if config.num_labels == 1 or config.problem_type == "regression":
+        return draw.floats((b,), torch.float32)
+    return draw.ints((b,), config.num_labels)
+
+
+def _targets(model: nn.Module, task: str, inputs: dict[str, Any], setup: Setup, draw: _Draw) -> dict[str, Any]:
+    """The labels of the task (its model computes the loss from them)."""
+    config, b, t = model.config, setup.micro_batch, setup.seq_len
+    if task in ("causal-lm", "masked-lm"):  # every position (shifted inside for a causal LM)
+        return {"labels": inputs["input_ids"]}
+    if task in ("seq2seq", "speech-seq2seq"):  # the decoder's targets; its inputs, shifted, beside them
+        targets = draw.ints((b, t), config.get_text_config().vocab_size)
+        return {"decoder_input_ids": targets, "labels": targets}
+    if task in ("sequence-classification", "image-classification", "audio-classification"):
+        return {"labels": _class_labels(config, draw, b)}
+    if task == "token-classification":
+        return {"labels": draw.ints((b, t), config.num_labels)}
+    if task == "question-answering":
+        return {"start_positions": draw.ints((b,), t), "end_positions": draw.ints((b,), t)}
+    if task == "semantic-segmentation":  # a class per pixel, at the images' size
+        _, height, width = inputs["pixel_values"].shape[1:]
+        return {"labels": draw.ints((b, height, width), config.num_labels)}
+    if task == "ctc":  # transcripts of half as many tokens as frames; 0 is CTC's blank (the padding token)
+        return {"labels": draw.ints((b, max(1, t // 2)), config.vocab_size, low=1)}
+    return {}  # contrastive: the pairs are their own targets
+
+
+def _batch(cfg: AnyConfig, model: nn.Module, setup: Setup, dtype: torch.dtype, mode: Any, seed: int) -> dict[str, Any]:
     """The task's inputs and labels: random for a real build, zeros made in ``mode`` (a ``FakeTensorMode`` or the
     meta device) for a fake one (same shapes)."""
-    gen = torch.Generator().manual_seed(seed)
-    fake = mode is not None
-
-    def ints(shape: tuple[int, ...], high: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=torch.long) if fake else torch.randint(0, high, shape, generator=gen)
-
-    tokens = (setup.micro_batch, setup.seq_len)
-    with mode if fake else contextlib.nullcontext():
-        if cfg.task == "image-classification":
-            pixels = _pixels(config, setup.micro_batch, dtype, fake, gen)
-            return {"pixel_values": pixels, "labels": ints((setup.micro_batch,), config.num_labels)}
-        ids = ints(tokens, config.vocab_size)
-        if cfg.task == "seq2seq":  # labels are the decoder's targets; its inputs, shifted, come beside them
-            targets = ints(tokens, config.vocab_size)
-            return {"input_ids": ids, "decoder_input_ids": targets, "labels": targets}
-        if cfg.task == "sequence-classification":
-            return {"input_ids": ids, "labels": ints((setup.micro_batch,), config.num_labels)}
-        if cfg.task == "token-classification":
-            return {"input_ids": ids, "labels": ints(tokens, config.num_labels)}
-        return {"input_ids": ids, "labels": ids}  # causal LM (shifted inside) and masked LM: every position
+    draw = _Draw(mode, torch.Generator().manual_seed(seed), dtype)
+    with mode if mode is not None else contextlib.nullcontext():
+        inputs = _inputs(model, cfg.task, setup, draw)
+        return {**inputs, **_targets(model, cfg.task, inputs, setup, draw)}
 
 
 def workload_from_any_config(
@@ -323,9 +464,9 @@ def workload_from_any_config(
     dtype = getattr(torch, setup.weight_dtype)
     build = partial(build_any_model, cfg, dtype=dtype, attn_impl=setup.attn_impl, image_size=image_size, seed=seed)
     model, made_in = build_fake(lambda mode: build(mode=mode)) if fake else (build(), None)
-    if fake and cfg.task == "causal-lm":
+    if fake:
         declare_unpacked(model)
-    batch = _batch(cfg, model.config, setup, dtype, made_in, seed)
+    batch = _batch(cfg, model, setup, dtype, made_in, seed)
     return Workload(model, batch, optimizer=optimizer_factory(setup), name=cfg.name)
 
 

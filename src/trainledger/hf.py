@@ -264,20 +264,43 @@ def _dpo_loss(policy: nn.Module, reference: nn.Module) -> Any:
     return loss_fn
 
 
+_MASK_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "_can_skip_bidirectional_mask_xpu")
+"""transformers' helpers that read a padding mask's values to decide whether SDPA may skip building a mask."""
+
+
+def _unpadded(check: Any) -> Any:
+    """``check`` answered for a mask without padding when the mask is a fake tensor (whose values it cannot read)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def answer(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        return check(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
+
+    return answer
+
+
 def declare_unpacked(model: nn.Module) -> None:
-    """Our batches hold one sequence per row. transformers checks that by reading ``position_ids``
-    (``find_packed_sequence_indices``); on fake tensors it cannot, assumes packing, and builds an explicit
-    causal mask (with SDPA: a different kernel path, repeated K/V for GQA) that the real step never builds.
-    During this model's forward the check answers "not packed", as it does on the real batch."""
+    """Our batches hold one unpadded sequence per row. transformers checks that by reading ``position_ids``
+    (``find_packed_sequence_indices``) and the padding mask (whether SDPA may skip an explicit mask: an
+    encoder–decoder's decoder, a bidirectional encoder); on fake tensors it cannot, assumes packing or padding,
+    and builds an explicit mask (with SDPA: a different kernel path, repeated K/V for GQA) that the real step
+    never builds. During this model's forward the checks answer as they do on the real batch."""
     from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
+    originals = {
+        name: getattr(masking_utils, name)
+        for name in ("find_packed_sequence_indices", *_MASK_CHECKS)
+        if hasattr(masking_utils, name)
+    }
 
     def before(_module: nn.Module, _args: Any, _kwargs: Any) -> None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
+        for name in _MASK_CHECKS:
+            if name in originals:
+                setattr(masking_utils, name, _unpadded(originals[name]))
 
     def after(_module: nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
-        masking_utils.find_packed_sequence_indices = original
+        for name, original in originals.items():
+            setattr(masking_utils, name, original)
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True, always_call=True)

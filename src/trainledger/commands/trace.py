@@ -48,7 +48,13 @@ TASK_NAMES = (
     "masked-lm",
     "sequence-classification",
     "token-classification",
+    "question-answering",
     "image-classification",
+    "semantic-segmentation",
+    "speech-seq2seq",
+    "ctc",
+    "audio-classification",
+    "contrastive",
 )
 """The tasks of ``--task`` (:data:`trainledger.anymodel.TASKS`, named here so that ``--help`` imports no torch)."""
 
@@ -123,7 +129,7 @@ def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None)
     if args.hf_config and not in_analytic_family(args):
         return _any_workload(args, given)
     if args.image_size is not None:
-        raise InputError("--image-size applies to image classification (--task image-classification): drop it")
+        raise InputError("--image-size applies to a model that reads images (--task image-classification): drop it")
     if not sources:
         raise InputError(
             "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
@@ -147,18 +153,25 @@ def in_analytic_family(args: argparse.Namespace) -> bool:
     few layers deep; any other architecture is built whole by :mod:`trainledger.anymodel`."""
     if args.task not in (None, "causal-lm"):
         return False
-    return load_config_file(args.hf_config).get("model_type") in FAMILIES
+    raw = load_config_file(args.hf_config)
+    if raw.get("model_type") not in FAMILIES:
+        return False
+    if args.task is None and raw.get("architectures"):  # LlamaForSequenceClassification: not a causal LM
+        from trainledger.anymodel import load_any_config
+
+        return load_any_config(raw).task == "causal-lm"
+    return True
 
 
 def _any_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
     """The step of an architecture outside the analytic families (its notes on stderr, one line each)."""
-    from trainledger.anymodel import default_seq_len, load_any_config, workload_from_any_config
+    from trainledger.anymodel import IMAGE_ONLY_TASKS, default_seq_len, load_any_config, workload_from_any_config
 
     cfg = load_any_config(args.hf_config, task=args.task)
     step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
     check_lora_flags(step)
-    if cfg.task == "image-classification" and "seq_len" in given:
-        raise InputError("--seq-len applies to token inputs; an image classifier reads --image-size: drop it")
+    if cfg.task in IMAGE_ONLY_TASKS and "seq_len" in given:
+        raise InputError(f"--seq-len applies to sequences; a {cfg.task} model reads --image-size: drop it")
     if "seq_len" not in given:
         step.seq_len = default_seq_len(cfg, step.seq_len)
     for note in cfg.notes:
