@@ -228,58 +228,60 @@ class StepTracer(TorchDispatchMode):
         # Runs for every op of the step: what an op overload needs is read from its schema once (_OpInfo,
         # found by the overload's id: hashing an OpOverload runs a Python ``__hash__``), each tensor's
         # storage is looked up once, and the common cases (tensors passed flat, one tensor returned) take
-        # no helper call.
+        # no helper call and build no list.
         info = _OPS.get(id(func), _UNSEEN)
         if info is _UNSEEN:
             info = _op_info(func)
         if info is None:  # not work on tensors: a metadata query, a profiler annotation
             return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
         op = info.name
         ops = self.ops
         index = len(ops)
         phase = self.phase
         forward = phase == "forward"
-        if not info.flat:
-            inputs = _tensors(args, kwargs)
-        else:
-            inputs = [a for a in args if isinstance(a, _Tensor)]
-            if kwargs:
-                inputs += [v for v in kwargs.values() if isinstance(v, _Tensor)]
         if forward:
             module, call = self.scopes.forward_scope()
         else:
             module, call = self.scopes.backward_scope()
             if phase == "optimizer":  # the parameter this op updates, when it is one
-                module = self._updated_parameter(inputs)
+                module = self._updated_parameter(_tensors(args, kwargs) if kwargs or not info.flat else args)
         ops.append((phase, op, module))
         self.event_calls.append(call)
         if info.probed:
-            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
+            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs or {})
             self.kernel_calls.append((index, op, module, kernel))
         storages = self.storages
-        for t in inputs:
-            if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE) and _storage_address(t) not in storages:
+        for t in args if info.flat and not kwargs else _tensors(args, kwargs):
+            if (
+                isinstance(t, _Tensor)
+                and t.layout is _STRIDED
+                and not isinstance(t, _NO_STORAGE)
+                and _storage_address(t) not in storages
+            ):
                 # existed before the step without being declared: captured in a closure, RNG state…
                 self._track(t, t.untyped_storage(), f"captured:{op}#{index}", Category.OTHER, "captured", None, module)
         if forward and info.written:
-            for t in _written(info.written, args, kwargs):
+            for t in _written(info.written, args, kwargs or {}):
                 rec = storages.get(storage_key(t)) if _has_storage(t) else None
                 if rec is not None:
                     self.writes.append((index, rec))
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs) if kwargs else info.call(*args)
         if self.substitutes:
             substitute = self.substitutes.get(func)
             if substitute is not None:
                 out = substitute(out, args)
         if info.allocates or _NO_STORAGE:
-            if isinstance(out, _Tensor) and not _NO_STORAGE and not (info.foreach and phase == "optimizer"):
+            if (
+                isinstance(out, _Tensor)
+                and not (_NO_STORAGE and isinstance(out, _NO_STORAGE))
+                and not (info.foreach and phase == "optimizer")
+            ):
                 if out.layout is _STRIDED and _storage_address(out) not in storages:
                     self._track(out, out.untyped_storage(), f"{op}#{index}", None, "", index, module)
             else:
                 self._outputs(op, index, module, args, out)
         if self.fake and info.real_storage:
-            kernel = KernelCall.of(func, args, kwargs)
+            kernel = KernelCall.of(func, args, kwargs or {})
             if kernel is not None:
                 outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
                 self.resized.append((kernel, outputs))
@@ -328,15 +330,17 @@ class StepTracer(TorchDispatchMode):
             name = rec.parameter = _parameter_of(rec)
         return name
 
-    def _updated_parameter(self, inputs: list[torch.Tensor]) -> str:
-        """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op)."""
+    def _updated_parameter(self, inputs: Iterable[Any]) -> str:
+        """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op); ``inputs``
+        are its tensors, or its flat arguments."""
         found = ""
         for t in inputs:
-            name = self._parameter(t)
-            if name and name != found:
-                if found:
-                    return ""
-                found = name
+            if isinstance(t, _Tensor):
+                name = self._parameter(t)
+                if name and name != found:
+                    if found:
+                        return ""
+                    found = name
         return found
 
     def _output_owners(self, op: str, args: tuple[Any, ...], module: str, num_outputs: int) -> list[str]:
@@ -575,6 +579,9 @@ class _OpInfo:
     foreach: bool
     """An ``aten._foreach_`` op: in the optimizer step, its ``j``-th output is for its first list's ``j``-th
     tensor's parameter (see ``_output_owners``); any other op's outputs are for the event's parameter."""
+    call: Callable[..., Any]
+    """What runs the op: an ``OpOverload``'s builtin (its ``__call__`` is a Python frame that only calls
+    it), else the operator itself."""
 
 
 _OPS: dict[int, _OpInfo | None] = {}  # per op overload's id; None for what is not work on tensors
@@ -605,6 +612,7 @@ def _op_info(func: Any) -> _OpInfo | None:
             allocates=returns is None or _may_allocate(schema),
             accumulation=func is _ADD,
             foreach=name.startswith(_FOREACH),
+            call=func._op if type(func) is torch._ops.OpOverload else func,
         )
     _OPS[id(func)] = info
     _OP_OBJECTS.append(func)
