@@ -244,6 +244,7 @@ class StepTracer(TorchDispatchMode):
             info = _op_info(func)
         if info is None:  # not work on tensors: a metadata query, a profiler annotation
             return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         op = info.name
         ops = self.ops
         index = len(ops)
@@ -260,7 +261,7 @@ class StepTracer(TorchDispatchMode):
         ops.append((phase, op, module))
         self.event_calls.append(call)
         if info.probed:
-            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs or {})
+            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
             self.kernel_calls.append((index, op, module, kernel))
         storages = self.storages
         for t in inputs if untracked is None else untracked:
@@ -273,7 +274,7 @@ class StepTracer(TorchDispatchMode):
                 # existed before the step without being declared: captured in a closure, RNG state…
                 self._track(t, t.untyped_storage(), f"captured:{op}#{index}", Category.OTHER, "captured", None, module)
         if forward and info.written:
-            for t in _written(info.written, args, kwargs or {}):
+            for t in _written(info.written, args, kwargs):
                 rec = storages.get(storage_key(t)) if _has_storage(t) else None
                 if rec is not None:
                     self.writes.append((index, rec))
@@ -293,7 +294,7 @@ class StepTracer(TorchDispatchMode):
             else:
                 self._outputs(op, index, module, args, out)
         if self.fake and info.real_storage:
-            kernel = KernelCall.of(func, args, kwargs or {})
+            kernel = KernelCall.of(func, args, kwargs)
             if kernel is not None:
                 outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
                 self.resized.append((kernel, outputs))
