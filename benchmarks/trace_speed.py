@@ -14,6 +14,9 @@ variant once, so what load remains falls on all of them alike):
 - plain step: ``run_step`` alone;
 - no-op mode: the step under a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op —
   the floor any Python dispatch mode pays, before any bookkeeping;
+- no-op mode + hooks: the same, with the tracer's module hooks (``ModuleScopes``: which module runs, the
+  autograd nodes each call made) and saved-tensor hooks on, as in a trace: what the hooks cost beside the
+  dispatch hook's own bookkeeping;
 - traced step: the step inside ``trace()`` (our dispatch mode, saved-tensor hooks, module hooks), timed
   around the ``run_step`` call that ``trace()`` makes under the tracer;
 - ``trace()``: the whole call (warm-up step, traced step, ledger, kernel-buffer probes); the first call of
@@ -21,11 +24,34 @@ variant once, so what load remains falls on all of them alike):
 - MemTracker: the step under ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same model
   and optimizer.
 
+The plain step and the no-op modes run with the cyclic collector paused, as ``trace()`` pauses it around
+the traced step: with it running, its collections (each walks the young objects, and the tracer makes some
+per op) fell inside the others' times only, and the traced step came out faster than the no-op mode.
+
 µs per event is the time beyond the plain step divided by the step's events (ops the tracer records);
 "above no-op" divides the time beyond the no-op mode instead: the part that is our own bookkeeping.
 ``trace()`` per event is its time beyond two plain steps (the warm-up and the traced step run the step
 twice) per event. With a revision given, the same cases run on that revision's ``src/`` (extracted with
 ``git archive``) in the same run, alternating with this tree's, and the table shows both.
+
+Where the dispatch hook's own µs go (gpt-tiny, the tracer against the no-op mode with the same hooks on, in
+one process, interleaved, least CPU time of 13 rounds each, on the shared 2-core machine under a load average
+of 6-7, so several times an idle machine's figures; measured while cutting them, by replacing one part at a
+time):
+
+| part | µs per event |
+|---|---:|
+| the dispatch hook over the no-op mode with the hooks on, all of it | 20.8 |
+| of which a record per new storage (``_Storage``, its name, dtype, device, size, shape) | 5.6 |
+| of which the weak reference per new storage and the callback at its free | 6.1 |
+| of which the rest: schema facts, the event's module or parameter, looking up every input's storage | 9.1 |
+
+(Measured after the first of this pass's changes, before the records' weak references were simplified.)
+About 500 of gpt-tiny's 1,267 events make a new storage, so a record with its weak reference costs about
+25 µs of this loaded machine's time each. The tracer of ``main`` before this pass against this one, in the
+same harness, three runs of 15-21 rounds: 25, 17 and 27 µs per event above the no-op mode with hooks,
+against 17, 14 and 19. The hooks themselves (module scopes, saved tensors) cost 6-11 µs per event over the
+bare no-op mode, several times what they cost without a dispatch mode (1.5-6.5 µs over the plain step).
 
 Fake 7B: a GPT of 32 layers, hidden 4096, 32 heads, vocabulary 32000, sequence 4096, micro-batch 1, bf16
 weights, AdamW, built under ``FakeTensorMode`` (nothing allocated). Wall time of the whole call and the
@@ -69,6 +95,14 @@ def build(name: str):
     return w
 
 
+def _timed_quiet(fn: Callable[[], object]) -> float:
+    """``fn``'s CPU time with the cyclic collector paused, as ``trace()`` pauses it around its traced step."""
+    from trainledger.workload import quiet_gc
+
+    with quiet_gc(generation=1):
+        return _timed(fn)
+
+
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.process_time()
     fn()
@@ -95,7 +129,7 @@ def overhead(name: str) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import trainledger
-    from trainledger.trace import trace
+    from trainledger.trace import ModuleScopes, StepTracer, trace
     from trainledger.workload import run_step
 
     torch.set_num_threads(1)
@@ -112,6 +146,17 @@ def overhead(name: str) -> dict:
         with NoOpMode():
             run_step(w)
 
+    def under_noop_and_hooks() -> None:
+        scopes = ModuleScopes([("", w.model)])
+        tracer = StepTracer(scopes)  # only its saved-tensor hooks run: it is not the dispatch mode here
+        scopes.open()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), NoOpMode():
+                run_step(w)
+        finally:
+            scopes.close()
+            tracer.stop()
+
     def under_memtracker() -> None:
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -120,7 +165,9 @@ def overhead(name: str) -> dict:
         with mt:
             run_step(w)
 
-    times: dict[str, list[float]] = {k: [] for k in ("plain", "noop", "traced_step", "trace", "memtracker")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("plain", "noop", "noop_hooks", "traced_step", "trace", "memtracker")
+    }
     _time_traced_steps(times["traced_step"])
     w = build(name)
     run_step(w)
@@ -128,8 +175,9 @@ def overhead(name: str) -> dict:
     times["traced_step"].clear()
     memtracker_error = None
     for _ in range(ROUNDS.get(name, 5)):
-        times["plain"].append(_timed(lambda: run_step(w)))
-        times["noop"].append(_timed(under_noop))
+        times["plain"].append(_timed_quiet(lambda: run_step(w)))
+        times["noop"].append(_timed_quiet(under_noop))
+        times["noop_hooks"].append(_timed_quiet(under_noop_and_hooks))
         times["trace"].append(_timed(lambda: trace(w)))
         if memtracker_error is None:
             try:
@@ -177,15 +225,19 @@ def _ms(seconds: float) -> str:
 
 def _overhead_row(r: dict, label: str) -> str:
     if "error" in r:
-        return f"| {label} | error: {r['error']} |" + " |" * 11
+        return f"| {label} | error: {r['error']} |" + " |" * 14
     plain, n = r["plain_s"], r["events"]
     mt = r.get("memtracker_s")
     mt_ms, mt_ratio = (_ms(mt), f"{mt / plain:.2f}×") if isinstance(mt, float) else (str(mt), "")
+    traced, noop = r["traced_step_s"], r["noop_s"]
+    hooks = r.get("noop_hooks_s")  # absent from revisions measured before it was
+    split = f"{(hooks - noop) / n * 1e6:.1f} | {(traced - hooks) / n * 1e6:.1f}" if hooks is not None else "— | —"
     return (
-        f"| {label} | {n:,} | {_ms(plain)} | {_ms(r['noop_s'])} ({r['noop_s'] / plain:.2f}×) | "
-        f"{_ms(r['traced_step_s'])} | {r['traced_step_s'] / plain:.2f}× | "
-        f"{(r['traced_step_s'] - plain) / n * 1e6:.1f} | {(r['traced_step_s'] - r['noop_s']) / n * 1e6:.1f} | "
-        f"{_ms(r['trace_s'])} | {(r['trace_s'] - 2 * plain) / n * 1e6:.1f} | {_ms(r['trace_first_s'])} | "
+        f"| {label} | {n:,} | {_ms(plain)} | {_ms(noop)} ({noop / plain:.2f}×) | "
+        f"{_ms(traced)} | {traced / plain:.2f}× | "
+        f"{(traced - plain) / n * 1e6:.1f} | {(traced - noop) / n * 1e6:.1f} | {split} | "
+        f"{_ms(r['trace_s'])} | {(r['trace_s'] - 2 * plain) / n * 1e6:.1f} | "
+        f"{(r['trace_s'] - plain - traced) / n * 1e6:.1f} | {_ms(r['trace_first_s'])} | "
         f"{mt_ms} | {mt_ratio} |"
     )
 
@@ -201,14 +253,19 @@ def overhead_table(against: str | None = None) -> list[str]:
     (RESULTS / "trace_overhead.json").write_text(json.dumps([r for _, r in rows], indent=2) + "\n")
     lines = [
         "| model | events | plain step (ms) | no-op mode (ms) | traced step (ms) | ratio | µs/event | "
-        "µs/event above no-op | trace() (ms) | trace() µs/event beyond 2 plain steps | first trace() (ms) | "
+        "µs/event above no-op | of which hooks | of which dispatch hook | trace() (ms) | "
+        "trace() µs/event beyond 2 plain steps | of which beside its steps | first trace() (ms) | "
         "MemTracker step (ms) | MemTracker ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_overhead_row(r, label) for label, r in rows]
     lines += [
         "",
-        "Times are CPU time of the process (ms), medians over rounds; one intra-op thread.",
+        "Times are CPU time of the process (ms), medians over rounds; one intra-op thread. Per event above the "
+        "no-op mode: the hooks (module scopes, saved tensors; the no-op mode with them on, less without) and the "
+        "dispatch hook's bookkeeping (the traced step less that). Beside its steps: trace() less a plain step "
+        "(its warm-up) and the traced step (saving and restoring the training state, declaring the state, "
+        "building the ledger, kernel buffers).",
         "",
         *(f"- {m}: {what}" for m, what in MODELS.items()),
     ]

@@ -177,16 +177,28 @@ class ModuleScopes:
                 at ``alloc_event`` (``None``: before the step).
         """
         calls = self.calls
+        # a call's backward span covers its own backward events and its inner calls': each call's own first
+        # and last, then folded into its parent from the innermost out (a parent is recorded before its calls)
+        spans: dict[int, list[int]] = {}
         for e, (c, phase) in enumerate(zip(event_calls, phases, strict=True)):
-            if phase != "backward":
-                continue
-            while c != NO_CALL and c is not None:
-                span = calls[c].backward
-                if span:
-                    span[1] = e
+            if phase == "backward" and c != NO_CALL:
+                span = spans.get(c)
+                if span is None:
+                    spans[c] = [e, e]
                 else:
-                    span.extend((e, e))
-                c = calls[c].parent
+                    span[1] = e
+        for c in range(len(calls) - 1, -1, -1):
+            span = spans.get(c)
+            if span is None:
+                continue
+            calls[c].backward = span
+            parent = calls[c].parent
+            if parent is not None:
+                outer = spans.get(parent)
+                if outer is None:
+                    spans[parent] = list(span)
+                else:
+                    outer[0], outer[1] = min(outer[0], span[0]), max(outer[1], span[1])
         for e, alloc, name in writes:
             c = event_calls[e]
             while c != NO_CALL and c is not None:

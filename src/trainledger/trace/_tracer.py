@@ -19,7 +19,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,16 +52,25 @@ class _Storage:
     nbytes: int
     device: str
     owner: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # a ``torch.Size`` while tracing (a tuple already; ``tuple()`` costs per storage)
     alloc_event: int | None
     phase: str
     first_seen: int = 0
     free_event: int | None = None
     saved: bool = False
     last_use_event: int | None = None
-    aliases: list[str] = field(default_factory=list)
+    aliases: tuple[str, ...] = ()
     merged_into: _Storage | None = None  # an accumulation the engine would have done in place
     parameter: str | None = None  # _parameter_of(self), kept until ``mark`` renames the storage
+
+
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a storage that carries its key and record to the callback, so that a free needs
+    no lookup by the reference's id."""
+
+    __slots__ = ("key", "rec")
+    key: int
+    rec: _Storage | None
 
 
 @dataclass(slots=True)
@@ -111,8 +120,8 @@ class StepTracer(TorchDispatchMode):
         self.resized: list[tuple[KernelCall, list[_Storage | None]]] = []  # fake outputs the real kernel sizes
         self.storages: dict[int, _Storage] = {}  # live storages by key
         self.finished: list[_Storage] = []  # storages freed during the step
-        self._refs: dict[int, weakref.ref[Any]] = {}
-        self._by_ref: dict[int, tuple[int, _Storage]] = {}  # id(weak reference) -> (storage key, record)
+        self._refs: dict[int, _StorageRef] = {}  # by storage key: the weak references that report frees
+        self._on_free = self._freed  # bound once, not per storage
         self._accumulations: list[_Accumulation] = []
         self._active = True
         self._progress = progress
@@ -144,7 +153,7 @@ class StepTracer(TorchDispatchMode):
         rec = self.storages.get(key)
         if rec is not None:
             if name != rec.name and name not in rec.aliases:
-                rec.aliases.append(name)
+                rec.aliases = (*rec.aliases, name)
             return
         self._track(t, t.untyped_storage(), name, category, role, alloc_event=None, owner=name)
 
@@ -168,22 +177,23 @@ class StepTracer(TorchDispatchMode):
             st.nbytes(),
             _DEVICE_NAMES.get(device) or _device_name(device),
             owner,
-            tuple(t.shape),
+            t.shape,
             alloc_event,
             self.phase,
             len(self.ops) - 1 if self.ops else 0,
         )
         self.storages[key] = rec
-        ref = weakref.ref(st, self._freed)
+        ref = _StorageRef(st, self._on_free)
+        ref.key, ref.rec = key, rec
         self._refs[key] = ref
-        self._by_ref[id(ref)] = (key, rec)
         return rec
 
-    def _freed(self, ref: Any) -> None:
-        found = self._by_ref.pop(id(ref), None)
-        if found is None or not self._active:
+    def _freed(self, ref: _StorageRef) -> None:
+        rec = ref.rec
+        if rec is None or not self._active:
             return
-        key, rec = found
+        key = ref.key
+        ref.rec = None
         # live through the last event that ran; no longer live from the next one
         rec.free_event = len(self.ops)
         if threading.get_ident() != self._thread:
@@ -211,7 +221,7 @@ class StepTracer(TorchDispatchMode):
             rec.free_event = len(self.ops)
             ref = self._refs.pop(key, None)
             if ref is not None:
-                self._by_ref.pop(id(ref), None)
+                ref.rec = None
             self.finished.append(rec)
 
     def outside_dispatch(self, op: str, outputs: list[torch.Tensor]) -> int:
@@ -230,7 +240,7 @@ class StepTracer(TorchDispatchMode):
         # Runs for every op of the step: what an op overload needs is read from its schema once (_OpInfo,
         # found by the overload's id: hashing an OpOverload runs a Python ``__hash__``), each tensor's
         # storage is looked up once, and the common cases (tensors passed flat, one tensor returned) take
-        # no helper call.
+        # no helper call and build no list.
         info = _OPS.get(id(func), _UNSEEN)
         if info is _UNSEEN:
             info = _op_info(func)
@@ -242,26 +252,27 @@ class StepTracer(TorchDispatchMode):
         index = len(ops)
         phase = self.phase
         forward = phase == "forward"
-        if not info.flat:
-            inputs = _tensors(args, kwargs)
-        else:
-            inputs = [a for a in args if isinstance(a, _Tensor)]
-            if kwargs:
-                inputs += [v for v in kwargs.values() if isinstance(v, _Tensor)]
+        inputs = args if info.flat and not kwargs else _tensors(args, kwargs)  # flat: tensors among other values
+        untracked = None
         if forward:
             module, call = self.scopes.forward_scope()
         else:
             module, call = self.scopes.backward_scope()
             if phase == "optimizer":  # the parameter this op updates, when it is one
-                module = self._updated_parameter(inputs)
+                module, untracked = self._optimizer_inputs(inputs)
         ops.append((phase, op, module))
         self.event_calls.append(call)
         if info.probed and (info.operands is None or blas_copies(info.operands, args, kwargs)):
             kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
             self.kernel_calls.append((index, op, module, kernel))
         storages = self.storages
-        for t in inputs:
-            if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE) and _storage_address(t) not in storages:
+        for t in inputs if untracked is None else untracked:
+            if (
+                isinstance(t, _Tensor)
+                and t.layout is _STRIDED
+                and not isinstance(t, _NO_STORAGE)
+                and _storage_address(t) not in storages
+            ):
                 # existed before the step without being declared: captured in a closure, RNG state…
                 self._track(t, t.untyped_storage(), f"captured:{op}#{index}", Category.OTHER, "captured", None, module)
         if forward and info.written:
@@ -269,13 +280,17 @@ class StepTracer(TorchDispatchMode):
                 rec = storages.get(storage_key(t)) if _has_storage(t) else None
                 if rec is not None:
                     self.writes.append((index, rec))
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs) if kwargs else info.call(*args)
         if self.substitutes:
             substitute = self.substitutes.get(func)
             if substitute is not None:
                 out = substitute(out, args)
         if info.allocates or _NO_STORAGE:
-            if isinstance(out, _Tensor) and not _NO_STORAGE and not (info.foreach and phase == "optimizer"):
+            if (
+                isinstance(out, _Tensor)
+                and not (_NO_STORAGE and isinstance(out, _NO_STORAGE))
+                and not (info.foreach and phase == "optimizer")
+            ):
                 if out.layout is _STRIDED and _storage_address(out) not in storages:
                     self._track(out, out.untyped_storage(), f"{op}#{index}", None, "", index, module)
             else:
@@ -330,16 +345,33 @@ class StepTracer(TorchDispatchMode):
             name = rec.parameter = _parameter_of(rec)
         return name
 
-    def _updated_parameter(self, inputs: list[torch.Tensor]) -> str:
-        """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op)."""
+    def _optimizer_inputs(self, inputs: Iterable[Any]) -> tuple[str, list[torch.Tensor]]:
+        """The one parameter an optimizer op works on (``""`` for none, or several: a foreach op), and its
+        tensors whose storage is not tracked yet; ``inputs`` are its tensors, or its flat arguments. One pass
+        over them: two fifths of a step's ops are the optimizer's."""
+        storages = self.storages
         found = ""
+        several = False
+        untracked = []
         for t in inputs:
-            name = self._parameter(t)
+            if not isinstance(t, _Tensor):
+                continue
+            if isinstance(t, _NO_STORAGE):
+                name = self._parameter(t)  # its local shard's
+            elif t.layout is not _STRIDED:
+                continue
+            else:
+                rec = storages.get(_storage_address(t))
+                if rec is None:
+                    untracked.append(t)
+                    continue
+                name = rec.parameter
+                if name is None:  # string work once per storage
+                    name = rec.parameter = _parameter_of(rec)
             if name and name != found:
-                if found:
-                    return ""
+                several = several or bool(found)
                 found = name
-        return found
+        return ("" if several else found), untracked
 
     def _output_owners(self, op: str, args: tuple[Any, ...], module: str, num_outputs: int) -> list[str]:
         """Owner of each output: the event's module, or in the optimizer step the parameter each output
@@ -397,7 +429,6 @@ class StepTracer(TorchDispatchMode):
         """Stop listening for frees; storages still alive outlive the step."""
         self._active = False
         self._refs.clear()
-        self._by_ref.clear()
 
     def size_outputs_as_the_real_kernels(self) -> int:
         """Fake traces: give outputs of :data:`REAL_STORAGE_OPS` the storage size their CPU kernel returns.
@@ -505,8 +536,8 @@ def _entry(r: _Storage, evidence: Evidence) -> Entry:
         alloc_event=alloc,
         free_event=r.free_event,
         evidence=evidence,
-        shape=r.shape,
-        aliases=tuple(r.aliases),
+        shape=tuple(r.shape),
+        aliases=r.aliases,
         last_use_event=r.last_use_event if r.saved else None,
     )
 
@@ -579,6 +610,9 @@ class _OpInfo:
     foreach: bool
     """An ``aten._foreach_`` op: in the optimizer step, its ``j``-th output is for its first list's ``j``-th
     tensor's parameter (see ``_output_owners``); any other op's outputs are for the event's parameter."""
+    call: Callable[..., Any]
+    """What runs the op: an ``OpOverload``'s builtin (its ``__call__`` is a Python frame that only calls
+    it), else the operator itself."""
 
 
 _OPS: dict[int, _OpInfo | None] = {}  # per op overload's id; None for what is not work on tensors
@@ -610,6 +644,7 @@ def _op_info(func: Any) -> _OpInfo | None:
             allocates=returns is None or _may_allocate(schema),
             accumulation=func is _ADD,
             foreach=name.startswith(_FOREACH),
+            call=func._op if type(func) is torch._ops.OpOverload else func,
         )
     _OPS[id(func)] = info
     _OP_OBJECTS.append(func)
