@@ -432,7 +432,7 @@ def _backward_widths(spec: ArchSpec, setup: Setup, rows: int, t: int) -> tuple[i
         mlp = 3 * _div(N * _mlp_width(spec), t)
     if setup.attn_impl == "eager":
         scores = 2 * _div(rows * spec.num_heads * setup.seq_len * setup.seq_len, t)
-        return mlp, (scores, setup.weight_dtype if spec.family == "gpt2" else "float32")
+        return mlp, (scores, setup.weight_dtype if spec.family == "gpt2" and not spec.upcast_attn else "float32")
     return mlp, (3 * _div(N * spec.num_heads * spec.head_dim, t), setup.weight_dtype)
 
 

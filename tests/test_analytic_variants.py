@@ -1,0 +1,65 @@
+"""The analytic model on config variants off the fixtures' path, against the fake trace of the same step.
+
+Oracle: the tracer (``trace`` of ``workload_from_setup`` on fake tensors, both kernel kinds), the same
+comparison ``benchmarks/analytic_sweep.py`` makes: the peak and every category's maximum within 1%. Each
+case is a family and an option the analytic model once got wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainledger.analytic import FAMILIES
+
+pytest.importorskip("transformers")
+
+from benchmarks.analytic_sweep import OPTIONS, combine, compare
+
+WRONG = [
+    # explicit head_dim: Phi's attention reads it; GPT-NeoX's rotary embedding reads it, its attention does not
+    ("phi", {"head_dim": 32}, {}),
+    ("phi", {"head_dim": 8}, {}),
+    ("gpt_neox", {"head_dim": 32}, {}),
+    # activations: relu keeps its output only; gelu_new's formula keeps four tensors in a gated MLP too
+    ("llama", {"hidden_act": "relu"}, {}),
+    ("llama", {"hidden_act": "gelu_new"}, {}),
+    ("mixtral", {"hidden_act": "gelu_new"}, {}),
+    ("gpt2", {"activation_function": "relu"}, {}),
+    ("gpt_neox", {"hidden_act": "relu"}, {}),
+    ("phi", {"hidden_act": "relu"}, {}),
+    # a rotary fraction given in rope_scaling wins over the family's own key
+    ("phi", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.25}}, {}),
+    # Phi's LayerNorm over each query and key head keeps its input and statistics
+    ("phi", {"qk_layernorm": True}, {}),
+    # a sliding window shorter than the sequence puts a mask into SDPA: grouped heads repeated, the mask kept
+    ("mistral", {"sliding_window": 16}, {}),
+    ("mixtral", {"sliding_window": 16}, {}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {}),
+    # GPT-2's eager attention from fp32 copies of q and k, softmax in fp32
+    ("gpt2", {"reorder_and_upcast_attn": True}, {"attn_impl": "eager"}),
+]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+@pytest.mark.parametrize(("family", "config", "step"), WRONG, ids=[f"{f}-{c}{s}" for f, c, s in WRONG])
+def test_estimate_within_1_percent_of_the_trace_on_a_variant(family, config, step, kind):
+    row = compare(family, f"{config} {step}", config, step, (1, "0"), kind)
+    assert row.status == "ok", (row.status, row.diffs, row.detail)
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_option_combinations_agree_with_the_trace_or_are_refused(data):
+    """Two to four of the sweep's options at once, in either kernel kind: within 1% on the peak and every
+    category's maximum, or refused in one line (by the estimate, or by transformers for the trace)."""
+    family = data.draw(st.sampled_from(FAMILIES), label="family")
+    pool = [o for o in OPTIONS if family in o.families]
+    picked = data.draw(st.lists(st.sampled_from(pool), min_size=2, max_size=4, unique=True), label="options")
+    kind = data.draw(st.sampled_from(["cpu", "cuda"]), label="kind")
+    config, step, world = combine(picked)
+    row = compare(family, " + ".join(o.name for o in picked), config, step, world, kind)
+    assert row.status != "differs", (row.option, row.diffs, row.detail)
+    assert all("\n" not in part for part in row.detail.split("; "))
