@@ -37,6 +37,8 @@ WRONG = [
     ("mistral", {"sliding_window": 16}, {}),
     ("mixtral", {"sliding_window": 16}, {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, {}),
+    # with every layer checkpointed the rotary cos/sin are held by the checkpoints, not saved
+    ("llama", {}, {"remat": "full"}),
     # GPT-2's eager attention from fp32 copies of q and k, softmax in fp32
     ("gpt2", {"reorder_and_upcast_attn": True}, {"attn_impl": "eager"}),
 ]
@@ -47,6 +49,16 @@ WRONG = [
 def test_estimate_within_1_percent_of_the_trace_on_a_variant(family, config, step, kind):
     row = compare(family, f"{config} {step}", config, step, (1, "0"), kind)
     assert row.status == "ok", (row.status, row.diffs, row.detail)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_a_tied_heads_gradient_is_made_in_the_heads_backward(kind):
+    """GPT-2 under full recomputation peaks in the first layer's recomputed backward, where the tied embedding's
+    gradient (made by the head's matmul) already lives. The peak within 1%; the workspace's maximum is still
+    1.6% high there (a recomputed layer's transients, listed in benchmarks/results/analytic_sweep.md)."""
+    row = compare("gpt2", "--remat full", {}, {"remat": "full"}, (1, "0"), kind)
+    assert abs(row.peak_diff) <= 0.01
+    assert {c for c, *_ in row.diffs} <= {"workspace"}
 
 
 @pytest.mark.slow
