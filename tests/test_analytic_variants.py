@@ -15,7 +15,7 @@ from trainledger.analytic import FAMILIES
 
 pytest.importorskip("transformers")
 
-from benchmarks.analytic_sweep import OPTIONS, combine, compare
+from benchmarks.analytic_sweep import BASE, OPTIONS, combine, compare
 
 WRONG = [
     # explicit head_dim: Phi's attention reads it; GPT-NeoX's rotary embedding reads it, its attention does not
@@ -75,3 +75,19 @@ def test_random_option_combinations_agree_with_the_trace_or_are_refused(data):
     row = compare(family, " + ".join(o.name for o in picked), config, step, world, kind)
     assert row.status != "differs", (row.option, row.diffs, row.detail)
     assert all("\n" not in part for part in row.detail.split("; "))
+
+
+def test_qwen2_layer_types_are_read_or_refused_in_one_line():
+    """transformers ≥ 4.53 saves ``layer_types`` with a Qwen2 config: full layers then sliding ones are the
+    pattern ``max_window_layers`` makes (read as such); any other pattern is refused, not guessed."""
+    from trainledger.analytic import arch_from_config
+    from trainledger.errors import InputError
+
+    cfg = {"model_type": "qwen2", **BASE["qwen2"], "use_sliding_window": True, "sliding_window": 16}
+    spec = arch_from_config({**cfg, "layer_types": ["full_attention", "sliding_attention"]})
+    assert (spec.sliding_window, spec.sliding_from) == (16, 1)
+    assert arch_from_config({**cfg, "max_window_layers": 1}) == spec
+    assert arch_from_config({**cfg, "layer_types": ["full_attention"] * 2}).sliding_window == 0
+    with pytest.raises(InputError, match="full_attention layers followed by sliding_attention") as err:
+        arch_from_config({**cfg, "layer_types": ["sliding_attention", "full_attention"]})
+    assert "\n" not in str(err.value)

@@ -377,11 +377,23 @@ def _window(cfg: dict[str, Any], first: int = 0) -> dict[str, Any]:
 def _qwen2_switches(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen2's biased q/k/v; its window only with ``use_sliding_window``, in the layers from ``max_window_layers``."""
     out: dict[str, Any] = {"qkv_bias": True}
-    if cfg.get("layer_types") is not None:
-        raise InputError(
-            "config key 'layer_types' (a per-layer attention pattern) is not modelled for qwen2; drop it and give "
-            "use_sliding_window with max_window_layers, or trace the config (trainledger trace --fake)"
-        )
+    types = cfg.get("layer_types")
+    if types is not None:  # an explicit per-layer pattern (configs saved by transformers ≥ 4.53 carry one)
+        sliding_layers = [i for i, t in enumerate(types)] if isinstance(types, list) else []
+        sliding_layers = [i for i in sliding_layers if types[i] == "sliding_attention"]
+        first = sliding_layers[0] if sliding_layers else len(types) if isinstance(types, list) else 0
+        if (
+            not isinstance(types, list)
+            or not all(t in ("full_attention", "sliding_attention") for t in types)
+            or sliding_layers != list(range(first, len(types)))
+        ):
+            raise InputError(
+                f"config key 'layer_types' is {types!r}; modelled are full_attention layers followed by "
+                "sliding_attention ones (as use_sliding_window with max_window_layers makes); trace other patterns"
+            )
+        if sliding_layers and cfg.get("use_sliding_window"):
+            out.update(_window({"sliding_window": 4096, **cfg}, first))
+        return out
     if cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:

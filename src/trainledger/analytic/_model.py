@@ -560,7 +560,14 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
     assert best is not None
     notes = [EXCLUDED]
     if setup.lora_rank:
-        notes.append("LoRA: saved activations within 2% of autograd's (exact for the Llama family, NeoX, Mixtral)")
+        notes.append("LoRA: saved activations within 3% of autograd's (exact for the Llama family, NeoX, Mixtral)")
+    if setup.remat == "full":
+        notes.append(
+            "full recomputation: a recomputed layer's temporaries are modelled from its saved tensors; Mixtral's "
+            "recomputed routing (fp32 scatter buffers) is not, so its peak may be a few percent low"
+            if spec.moe
+            else "full recomputation: a recomputed layer's temporaries are modelled from its saved tensors"
+        )
     if setup.pipeline_parallel > 1:
         notes.append(
             f"pipeline stage {chosen} of {setup.pipeline_parallel} (1F1B: {setup.pipeline_parallel - chosen} "
