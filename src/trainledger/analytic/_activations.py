@@ -78,23 +78,39 @@ def _norm(spec: ArchSpec, setup: Setup, name: str, N: int, *, with_input: bool =
     return out
 
 
+def _head_norm(spec: ArchSpec, setup: Setup, name: str, rows: int) -> list[Saved]:
+    """A LayerNorm over each head (Phi's ``qk_layernorm``): its input, and mean and rstd per head and token."""
+    stat = _act(setup) if setup.device == "cpu" else "float32"
+    return [
+        Saved(f"{name}.input", rows * spec.head_dim, _act(setup)),
+        Saved(f"{name}.mean", rows, stat),
+        Saved(f"{name}.rstd", rows, stat),
+    ]
+
+
 def _mask(setup: Setup) -> str:
     """Dropout keeps a bool mask on CUDA (native_dropout), a mask in the activation dtype on CPU."""
     return "bool" if setup.device == "cuda" else _act(setup)
 
 
-def sdpa_backend_of(spec: ArchSpec, setup: Setup) -> SdpaBackend | None:
+def sliding(spec: ArchSpec, setup: Setup, layer: int) -> bool:
+    """Does the layer attend through a sliding-window mask? transformers skips the mask (``is_causal``) while
+    the sequence is shorter than the window."""
+    return bool(spec.sliding_window) and layer >= spec.sliding_from and setup.seq_len >= spec.sliding_window
+
+
+def sdpa_backend_of(spec: ArchSpec, setup: Setup, masked: bool = False) -> SdpaBackend | None:
     """The SDPA backend a cuda step's attention runs (``None`` on the CPU): transformers passes grouped key/value
     heads through (``enable_gqa``) when there is no mask and the head dim is at most 256, and the step's causal
-    attention has no mask (``is_causal``)."""
+    attention has no mask (``is_causal``) unless a sliding window applies (``masked``)."""
     if setup.device != "cuda":
         return None
     call = SdpaCall(
         dtype=_act(setup),
         head_dim=spec.head_dim,
         num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads if spec.head_dim <= 256 else spec.num_heads,
-        has_mask=False,
+        num_kv_heads=spec.num_kv_heads if spec.head_dim <= 256 and not masked else spec.num_heads,
+        has_mask=masked,
         dropout=spec.attn_dropout,
         requires_grad=True,
     )
@@ -116,9 +132,11 @@ def _math_attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Sav
     return out
 
 
-def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
-    """The attention core between the QKV projection and the output projection (its input excluded)."""
-    T, nh, nkv, hd = setup.seq_len, spec.num_heads, spec.num_kv_heads, spec.head_dim
+def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str, masked: bool = False) -> list[Saved]:
+    """The attention core between the QKV projection and the output projection (its input excluded); ``masked``:
+    a sliding-window mask reaches SDPA (key/value heads repeated to the query's, the mask kept as a bias)."""
+    T, nh, hd = setup.seq_len, spec.num_heads, spec.head_dim
+    nkv = nh if masked and setup.attn_impl == "sdpa" else spec.num_kv_heads
     a = _act(setup)
     q = rows * nh * T * hd
     kv = rows * nkv * T * hd
@@ -127,10 +145,12 @@ def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     drop = spec.attn_dropout > 0
     out: list[Saved] = []
     if setup.attn_impl == "eager":
-        # q and k·ᵀ, v (repeated to nh heads for GQA) are copied into bmm layout: three (B·nh, T, hd) tensors
-        out += [Saved(f"{p}q", q, a), Saved(f"{p}k", q, a), Saved(f"{p}v", q, a)]
-        if spec.family == "gpt2":  # softmax in the activation dtype
-            out.append(Saved(f"{p}softmax", scores, a, core=True))
+        # q and k·ᵀ, v (repeated to nh heads for GQA) are copied into bmm layout: three (B·nh, T, hd) tensors;
+        # GPT-2's reorder_and_upcast_attn multiplies fp32 copies of q and k and keeps its softmax in fp32
+        qk = "float32" if spec.upcast_attn else a
+        out += [Saved(f"{p}q", q, qk), Saved(f"{p}k", q, qk), Saved(f"{p}v", q, a)]
+        if spec.family == "gpt2":  # softmax in the activation dtype (fp32 when upcast)
+            out.append(Saved(f"{p}softmax", scores, qk, core=True))
         else:  # softmax(dtype=float32), then .to(query.dtype): both kept (one when already fp32)
             out.append(Saved(f"{p}softmax", scores, "float32", core=True))
             if not drop and a != "float32":
@@ -142,7 +162,11 @@ def _attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
             ]
         out.append(Saved(f"{p}o_proj.input", N * nh * hd, a))
         return out
-    backend = sdpa_backend_of(spec, setup)
+    backend = sdpa_backend_of(spec, setup, masked)
+    if masked and backend is None:  # the CPU kernel turns the bool mask into an additive one of q's dtype
+        out.append(Saved(f"{p}attn_mask", rows * T * T, a))
+    elif masked and backend == "efficient":  # the bias expanded to every head, its rows padded to 16
+        out.append(Saved(f"{p}attn_bias", rows * nh * T * (-(-T // 16) * 16), a))
     if (drop and setup.device == "cpu") or backend == "math":
         # SDPA with dropout on CPU, or no fused CUDA kernel accepting the call: the math kernel
         return _math_attention(spec, setup, rows, p)
@@ -178,7 +202,7 @@ def layer_saved(spec: ArchSpec, setup: Setup, rows: int, layer: int) -> list[Sav
         if any(_trains(setup, spec, n) for n in ("q_proj", "k_proj", "v_proj")):
             out.append(Saved(p + "self_attn.input", N * H, a, False))
         out += _lora(setup, spec, "q_proj", rows, p) + _lora(setup, spec, "v_proj", rows, p)
-        out += _attention(spec, setup, rows, p + "self_attn.")
+        out += _attention(spec, setup, rows, p + "self_attn.", sliding(spec, setup, layer))
         out += _norm(spec, setup, p + "post_attention_layernorm", N)
         out += _mlp(spec, setup, rows, p + "mlp.")
     elif f == "gpt2":
@@ -205,6 +229,9 @@ def layer_saved(spec: ArchSpec, setup: Setup, rows: int, layer: int) -> list[Sav
         if any(_trains(setup, spec, n) for n in ("q_proj", "k_proj", "v_proj", "fc1")):
             out.append(Saved(p + "input_layernorm.out", N * H, a, False))
         out += _lora(setup, spec, "q_proj", rows, p) + _lora(setup, spec, "v_proj", rows, p)
+        if spec.qk_layernorm:
+            out += _head_norm(spec, setup, f"{p}self_attn.q_layernorm", N * spec.num_heads)
+            out += _head_norm(spec, setup, f"{p}self_attn.k_layernorm", N * spec.num_kv_heads)
         out += _attention(spec, setup, rows, p + "self_attn.")
         out += _mlp(spec, setup, rows, p + "mlp.")
         resid_masks = 2
@@ -250,6 +277,8 @@ def _mlp(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
             Saved(p + "experts.gathered", Nk * H, a),
             Saved(p + "experts.gate_up", Nk * 2 * I, a),
             Saved(p + "experts.silu", Nk * I, a),
+            # what the activation keeps beyond the gate (a view of gate_up, saved above): gelu_new's three more
+            *(Saved(f"{p}experts.act{i}", Nk * I, a) for i in range(1, spec.act_saved)),
             Saved(p + "experts.product", Nk * I, a),
             Saved(p + "experts.routing_weight", Nk, "float32"),
             Saved(p + "experts.down", Nk * H, a),
@@ -261,7 +290,9 @@ def _mlp(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     if spec.gated_mlp:  # SwiGLU: gate, silu(gate), up, silu(gate)·up
         if _trains(setup, spec, "gate_proj") or _trains(setup, spec, "up_proj"):
             out.append(Saved(p + "input", N * H, a, False))
-        out += [Saved(p + "gate", N * I, a), Saved(p + "act", N * I, a), Saved(p + "up", N * I, a)]
+        # what the activation keeps of the gate (silu: the gate itself), then the product's two operands
+        out += [Saved(f"{p}gate{i}", N * I, a) for i in range(spec.act_saved)]
+        out += [Saved(p + "act", N * I, a), Saved(p + "up", N * I, a)]
         if _trains(setup, spec, "down_proj"):
             out.append(Saved(p + "down.input", N * I, a))
         return out
@@ -270,7 +301,7 @@ def _mlp(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     if spec.family != "phi" and _trains(setup, spec, first):  # Phi's fc1 input is the norm output, saved above
         out.append(Saved(p + "input", N * H, a, False))
     out += [Saved(f"{p}act{i}", N * I, a) for i in range(spec.act_saved)]
-    if _trains(setup, spec, second):
+    if _trains(setup, spec, second) or spec.act_keeps_output:  # the activation's output, one storage
         out.append(Saved(p + "down.input", N * I, a))
     return out
 

@@ -9,9 +9,13 @@ from typing import Literal
 Family = Literal["llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral"]
 FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox", "phi", "mixtral")
 
-# Activations whose autograd saves only their input (plus the next linear's saved output); gelu_new
-# (GPT-2's and Phi's tanh formula, written out in Python) saves four tensors of the MLP width.
-ACTIVATIONS = {"silu": 1, "swish": 1, "gelu": 1, "relu": 1, "gelu_new": 4, "gelu_pytorch_tanh": 1}
+# Tensors of the MLP width that an activation's autograd saves besides its output (which the next op, the
+# second linear or the gate's product, saves anyway): silu and gelu keep their input; relu keeps only its
+# output (``threshold_backward`` reads it); gelu_new (GPT-2's and Phi's tanh formula, written out in Python)
+# keeps its input, the tanh, x/2 and 1 + tanh.
+ACTIVATIONS = {"silu": 1, "swish": 1, "gelu": 1, "relu": 0, "gelu_new": 4, "gelu_pytorch_tanh": 1}
+OUTPUT_SAVING = frozenset({"relu"})
+"""Activations whose backward reads their output: it stays saved when no later op saves it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,13 @@ class ArchSpec:
     num_experts: int = 0
     top_k: int = 0
     qk_layernorm: bool = False
+    sliding_window: int = 0
+    """Tokens a sliding-window layer attends to (Mistral, Mixtral, Qwen2's ``use_sliding_window``); 0: none."""
+    sliding_from: int = 0
+    """The first layer that slides (Qwen2's ``max_window_layers``); every later one does too."""
+    upcast_attn: bool = False
+    """Eager attention computes the scores from fp32 copies of q and k and keeps an fp32 softmax (GPT-2's
+    ``reorder_and_upcast_attn``; SDPA ignores it)."""
 
     @property
     def moe(self) -> bool:
@@ -57,3 +68,8 @@ class ArchSpec:
     def act_saved(self) -> int:
         """Tensors of the MLP width that the activation function's autograd saves."""
         return ACTIVATIONS.get(self.act, 1)
+
+    @property
+    def act_keeps_output(self) -> bool:
+        """The activation's backward reads its output (relu), so autograd saves it whoever else does."""
+        return self.act in OUTPUT_SAVING

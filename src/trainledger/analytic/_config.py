@@ -51,8 +51,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_dropout": 0.0,
         "hidden_act": "silu",
     },
-    "mistral": {"tie_word_embeddings": False, "attention_dropout": 0.0, "num_key_value_heads": 8, "hidden_act": "silu"},
-    "qwen2": {"tie_word_embeddings": False, "attention_dropout": 0.0, "hidden_act": "silu"},
+    "mistral": {
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "num_key_value_heads": 8,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "max_window_layers": 28,
+    },
     "gpt2": {
         "tie_word_embeddings": True,
         "n_positions": 1024,
@@ -177,6 +188,9 @@ class _Naming:
     rotary: tuple[str, float] | None = ("", 1.0)
     """The key of the rotary fraction of a head (and its default); ``("", 1.0)``: all of it; ``None``:
     learned positions, no rotary embedding."""
+    rotary_head_dim: bool = False
+    """The rotary embedding reads an explicit ``head_dim`` key though attention does not (GPT-NeoX: its
+    cos/sin are that wide, and turn the first of them of each hidden / heads head)."""
 
 
 _LLAMA_NAMING = _Naming(head_dim=True)
@@ -186,8 +200,8 @@ _NAMING: dict[Family, _Naming] = {
     "qwen2": _LLAMA_NAMING,
     "mixtral": _LLAMA_NAMING,
     "gpt2": _Naming(hidden="n_embd", heads="n_head", layers="n_layer", act="activation_function", rotary=None),
-    "gpt_neox": _Naming(rotary=("rotary_pct", 0.25)),
-    "phi": _Naming(rotary=("partial_rotary_factor", 0.5)),
+    "gpt_neox": _Naming(rotary=("rotary_pct", 0.25), rotary_head_dim=True),
+    "phi": _Naming(head_dim=True, rotary=("partial_rotary_factor", 0.5)),
 }
 
 
@@ -207,6 +221,11 @@ def arch_from_config(raw: dict[str, Any]) -> ArchSpec:
     family: Family = cfg["model_type"]
     cfg = {**DEFAULTS[family], **cfg}
     spec = ArchSpec(**_shape(family, cfg), **_layers(family, cfg))
+    if spec.qk_layernorm and spec.head_dim * spec.num_heads != spec.hidden_size:
+        raise InputError(
+            f"qk_layernorm normalises hidden / heads = {spec.hidden_size // spec.num_heads} features per head, "
+            f"but head_dim is {spec.head_dim}; transformers cannot run it: drop head_dim or qk_layernorm"
+        )
     total = num_params(spec)
     if total > MAX_PARAMS.value:
         raise InputError(
@@ -252,7 +271,7 @@ def _shape(family: Family, cfg: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=inter,
         tied=tied,
         act=act,
-        rotary_dim=0 if names.rotary is None else int(head_dim * _rotary_fraction(cfg, names.rotary)),
+        rotary_dim=_rotary_dim(cfg, names, head_dim),
         num_experts=num_experts,
         top_k=top_k,
     )
@@ -278,12 +297,32 @@ def _experts(cfg: dict[str, Any]) -> tuple[int, int]:
     return num_experts, top_k
 
 
+def _rotary_dim(cfg: dict[str, Any], names: _Naming, head_dim: int) -> int:
+    """The width of the rotary cos/sin: the rotary fraction of the head (of an explicit ``head_dim`` where
+    only the rotary embedding reads it); wider than the head, transformers cannot apply it."""
+    if names.rotary is None:
+        return 0
+    rotary_head = head_dim
+    if names.rotary_head_dim and cfg.get("head_dim") is not None:
+        rotary_head = _size(cfg, "head_dim")
+    dim = int(rotary_head * _rotary_fraction(cfg, names.rotary))
+    if dim > head_dim:
+        raise InputError(
+            f"the rotary embedding is {dim} wide (head_dim {rotary_head} × the rotary fraction), wider than the "
+            f"{head_dim}-wide attention heads (hidden / heads); transformers cannot apply it: drop head_dim"
+        )
+    return dim
+
+
 def _rotary_fraction(cfg: dict[str, Any], rotary: tuple[str, float]) -> float:
-    """The fraction of a head that rotary embeddings turn (``rope_parameters`` wins over the older key)."""
+    """The fraction of a head that rotary embeddings turn (``rope_parameters``, or the older ``rope_scaling``
+    transformers reads it from, wins over the family's own key)."""
     key, default = rotary
     if not key:
         return 1.0
-    rope = cfg.get("rope_parameters") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise InputError(f"config key 'rope_parameters' is {rope!r}; it must be an object of rope settings")
     return float(rope.get("partial_rotary_factor", cfg.get(key, default)))
 
 
@@ -328,6 +367,41 @@ def _llama_switches(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
 
 
+def _window(cfg: dict[str, Any], first: int = 0) -> dict[str, Any]:
+    """A sliding window (``sliding_window``, ``None``: none) over the layers from ``first`` on."""
+    if cfg.get("sliding_window") is None:
+        return {}
+    return {"sliding_window": _size(cfg, "sliding_window", MAX_SEQ_LEN), "sliding_from": first}
+
+
+def _qwen2_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2's biased q/k/v; its window only with ``use_sliding_window``, in the layers from ``max_window_layers``."""
+    out: dict[str, Any] = {"qkv_bias": True}
+    types = cfg.get("layer_types")
+    if types is not None:  # an explicit per-layer pattern (configs saved by transformers ≥ 4.53 carry one)
+        sliding_layers = [i for i, t in enumerate(types)] if isinstance(types, list) else []
+        sliding_layers = [i for i in sliding_layers if types[i] == "sliding_attention"]
+        first = sliding_layers[0] if sliding_layers else len(types) if isinstance(types, list) else 0
+        if (
+            not isinstance(types, list)
+            or not all(t in ("full_attention", "sliding_attention") for t in types)
+            or sliding_layers != list(range(first, len(types)))
+        ):
+            raise InputError(
+                f"config key 'layer_types' is {types!r}; modelled are full_attention layers followed by "
+                "sliding_attention ones (as use_sliding_window with max_window_layers makes); trace other patterns"
+            )
+        if sliding_layers and cfg.get("use_sliding_window"):
+            out.update(_window({"sliding_window": 4096, **cfg}, first))
+        return out
+    if cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise InputError(f"config key 'max_window_layers' is {first!r}; it must be a whole number of layers")
+        out.update(_window({"sliding_window": 4096, **cfg}, first))  # the window's default, used only if switched on
+    return out
+
+
 def _gpt_neox_switches(cfg: dict[str, Any]) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", True))
     return {"qkv_bias": bias, "o_bias": bias, "parallel_residual": bool(cfg.get("use_parallel_residual", True))}
@@ -336,8 +410,13 @@ def _gpt_neox_switches(cfg: dict[str, Any]) -> dict[str, Any]:
 # What a family's config switches on or off, over its layout.
 _SWITCHES: dict[Family, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": _llama_switches,
-    "qwen2": lambda cfg: {"qkv_bias": True},
-    "gpt2": lambda cfg: {"learned_positions": _size(cfg, "n_positions", MAX_SEQ_LEN)},
+    "mistral": _window,
+    "mixtral": _window,
+    "qwen2": _qwen2_switches,
+    "gpt2": lambda cfg: {
+        "learned_positions": _size(cfg, "n_positions", MAX_SEQ_LEN),
+        "upcast_attn": bool(cfg.get("reorder_and_upcast_attn", False)),
+    },
     "gpt_neox": _gpt_neox_switches,
     "phi": lambda cfg: {"qk_layernorm": bool(cfg.get("qk_layernorm", False))},
 }
