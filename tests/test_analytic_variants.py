@@ -44,7 +44,11 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+# Both kernel kinds run in the whole suite; the fast subset keeps the CPU kind (each case traces a model).
+KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("family", "config", "step"), WRONG, ids=[f"{f}-{c}{s}" for f, c, s in WRONG])
 def test_estimate_within_1_percent_of_the_trace_on_a_variant(family, config, step, kind):
     row = compare(family, f"{config} {step}", config, step, (1, "0"), kind)
