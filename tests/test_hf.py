@@ -15,7 +15,14 @@ from trainledger.errors import InputError
 
 pytest.importorskip("transformers")
 
-from trainledger.hf import apply_lora, build_model, load_hf_config, workload_from_hf_config, workload_from_setup
+from trainledger.hf import (
+    apply_lora,
+    build_model,
+    load_hf_config,
+    transformers_config,
+    workload_from_hf_config,
+    workload_from_setup,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 SMALL = sorted(FIXTURES.glob("*-small.json"))
@@ -200,3 +207,25 @@ def test_every_kth_layer_rematerialization_matches_transformers_every_n_layers()
     analytic = analytic_ledger(spec, setup)
     assert analytic.category_maxima()["activations"] == traced.category_maxima()["activations"]
     assert abs(analytic.peak().bytes - traced.peak().bytes) <= 0.03 * traced.peak().bytes
+
+
+def test_a_config_dict_given_is_not_changed_by_building_its_model():
+    """transformers edits a nested ``rope_scaling`` in place; the user's dict (and the loaded config, built
+    again for the fake step) must stay as given."""
+    import copy
+
+    given = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
+    before = copy.deepcopy(given)
+    cfg = load_hf_config(given)
+    built = transformers_config(cfg)
+    assert built.rope_scaling["factor"] == 2.0
+    assert given == before
+    assert cfg.raw["rope_scaling"] == before["rope_scaling"]

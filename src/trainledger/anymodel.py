@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,7 +184,8 @@ def _notes(raw: dict[str, Any]) -> tuple[str, ...]:
 
 def _transformers_config(cfg: AnyConfig, attn_impl: str, image_size: int | None) -> Any:
     tf = import_transformers()
-    kwargs = {k: v for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
+    # a copy: transformers edits nested dicts (rope_scaling) in place, and cfg.raw is the user's
+    kwargs = {k: copy.deepcopy(v) for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
     if image_size is not None and "vision_config" not in kwargs:
         kwargs["image_size"] = image_size
     with quiet_transformers():

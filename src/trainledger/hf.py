@@ -22,6 +22,7 @@ so a traced step and its analytic estimate are read from the same, once-validate
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -109,7 +110,7 @@ def load_hf_config(path: str | Path | dict[str, Any]) -> HFConfig:
         >>> cfg.spec.family, cfg.spec.tied
         ('gpt2', True)
     """
-    raw = dict(path) if isinstance(path, dict) else load_config_file(path)
+    raw = copy.deepcopy(path) if isinstance(path, dict) else load_config_file(path)
     spec = arch_from_config(raw)
     return HFConfig(raw=normalized_config(raw), spec=spec, source="" if isinstance(path, dict) else str(path))
 
@@ -119,7 +120,8 @@ def transformers_config(cfg: HFConfig, *, attn_impl: AttnImpl = "sdpa") -> Any:
     if attn_impl not in ("eager", "sdpa"):
         raise InputError(f"unknown attention implementation {attn_impl!r}; accepted: eager, sdpa")
     tf = import_transformers()
-    kwargs = {k: v for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
+    # a copy: transformers edits nested dicts (rope_scaling) in place, and cfg.raw is the user's
+    kwargs = {k: copy.deepcopy(v) for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
     with quiet_transformers():
         try:
             config = tf.AutoConfig.for_model(cfg.spec.family, **kwargs)
