@@ -448,3 +448,24 @@ def test_cuda_measurement_uses_the_caching_allocators_counters():
     traced = m.traced
     assert traced.peak().bytes <= m.peak_bytes <= traced.peak().bytes + 512 * len(traced.live_at(traced.peak().event))
     assert len(m.step_seconds) == 3 and m.median_step_seconds > 0
+
+
+class _GroupedMatmul(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.w)
+
+
+def test_a_fake_kernel_that_refuses_real_inputs_is_one_line_naming_it(capfd):
+    """PyTorch's meta kernel of ``_grouped_mm`` takes bf16 only, its CPU kernel fp32 too: the fake trace is
+    refused in one line naming the op, and PyTorch's log of the failure (a traceback) is not printed."""
+    w = Workload(_GroupedMatmul(), torch.randn(4, 8, 16), loss_fn=lambda out, batch: out.square().mean())
+    assert trace(w).peak().bytes > 0  # the real kernel runs it
+    capfd.readouterr()
+    with pytest.raises(InputError, match=r"fake-tensor kernel of aten\._grouped_mm\.default refused") as info:
+        trace(w, fake=True)
+    assert "\n" not in str(info.value)
+    assert capfd.readouterr().err == ""

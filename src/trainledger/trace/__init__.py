@@ -32,7 +32,13 @@ from trainledger.trace._cuda import (
     cuda_ledger,
     use_foreach,
 )
-from trainledger.trace._fake import FAKE_SUBSTITUTES, SMALL_BUFFER_BYTES, EmptyWeights, fake_workload
+from trainledger.trace._fake import (
+    FAKE_SUBSTITUTES,
+    SMALL_BUFFER_BYTES,
+    EmptyWeights,
+    MetaKernelFailures,
+    fake_workload,
+)
 from trainledger.trace._fsdp import fsdp_storages
 from trainledger.trace._kernels import (
     KERNEL_INTERNAL,
@@ -229,10 +235,16 @@ def _trace_step(
     """The traced ledger without kernel-internal buffers, and the kernel calls that may hold some; with
     ``cuda``, the CUDA kernels substituted and their facts in ``meta["cuda_facts"]``."""
     if fake:
-        with fake_workload(workload, device) as (twin, mode), mode:
+        with fake_workload(workload, device) as (twin, mode), mode, MetaKernelFailures() as refused:
             try:
                 ledger, kernels = _trace(twin, progress, fake=True, cuda=cuda)
             except InputError as exc:
+                if refused.ops:
+                    raise InputError(
+                        f"{str(exc).rstrip('.')}; PyTorch's fake-tensor kernel of {refused.ops[-1]} refused these "
+                        "inputs (its real kernel may accept them): trace it without --fake, or in a dtype that kernel "
+                        "takes"
+                    ) from exc
                 if "DynamicOutputShape" in str(exc) or "DataDependentOutput" in str(exc):
                     fix = (
                         "a CUDA-kind trace runs on fake tensors only: trace it with --device-kind cpu"

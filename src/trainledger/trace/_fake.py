@@ -22,6 +22,7 @@ relative-position indexes) are converted to fake tensors like any real tensor.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -177,6 +178,31 @@ FAKE_SUBSTITUTES: dict[Any, Any] = {
 }
 """Below autograd, in a fake trace: ops whose meta kernels lay outputs out otherwise than the real kernels, with
 the function that gives the real kernel's layout (same bytes; what follows may copy or not)."""
+
+
+class MetaKernelFailures(logging.Filter):
+    """While a fake step runs: PyTorch's log of a meta kernel that raised (``log.exception`` in
+    ``FakeTensorMode``, a traceback on stderr before the error reaches us) is kept here instead of printed,
+    so the error stays one line and can name the op whose fake kernel refused."""
+
+    LOGGER = "torch._subclasses.fake_tensor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith("failed while attempting to run meta"):
+            self.ops.append(str(record.args[0]) if record.args else "an op")
+            return False
+        return True
+
+    def __enter__(self) -> MetaKernelFailures:
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
 
 
 def _from_meta(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
