@@ -127,9 +127,9 @@ def test_exported_policy_reproduces_the_plans_peak_and_gradients(tmp_path, name,
         plan.save(tmp_path / "plan.json")
         profiled_plan_peak, _ = run_child(path, name, tmp_path / "plan.json")
         assert child_peak == profiled_plan_peak
-        # The profiler counts 20,256 bytes more than the tracer here (6,563,320 and 6,543,064): the CPU RNG
-        # states the checkpointed calls keep (5,056 bytes each) are made outside the tracer's dispatch.
-        assert 0 <= child_peak - plan_peak <= 5_064 * len(plan.regions)
+        # The profiler counts 32 bytes more than the tracer here (6,694,392 and 6,694,360): small buffers made
+        # outside dispatch. The CPU RNG states the checkpointed calls keep (5,056 bytes each) are traced.
+        assert 0 <= child_peak - plan_peak <= 64
     assert child_grads.keys() == want.keys()
     assert all(torch.equal(want[n], child_grads[n]) for n in want)
 

@@ -27,7 +27,6 @@ from trainledger.remat import (
     reserved_of,
     solve_per_rank,
     solve_reserved,
-    with_rng_states,
 )
 from trainledger.trace import trace
 
@@ -54,7 +53,7 @@ def _retraced(plan: Plan):
     w = _build()
     plan.apply(w.model)
     try:
-        return with_rng_states(trace(w, kernel_kind=plan.kernel_kind, cuda_device=plan.cuda_device), plan.regions)
+        return trace(w, kernel_kind=plan.kernel_kind, cuda_device=plan.cuda_device)
     finally:
         plan.remove(w.model)
 

@@ -26,7 +26,6 @@ from trainledger.remat import (
     regions_of,
     replay,
     structure_fingerprint,
-    with_rng_states,
 )
 from trainledger.trace import trace
 from trainledger.workload import Workload, call_model, compute_loss
@@ -145,8 +144,7 @@ def test_each_policy_on_every_block_predicts_the_retraced_peak_and_keeps_gradien
     plain_flops = _backward_flops(w)
     plan.apply(w.model)
     try:
-        # the checkpoints' CPU RNG states are copied outside the dispatcher: added as the prediction adds them
-        traced = with_rng_states(trace(w), plan.regions).peak().bytes
+        traced = trace(w).peak().bytes  # the checkpoints' CPU RNG states included, as the prediction has them
         p.restore()
         planned_flops = _backward_flops(w)
     finally:
@@ -173,7 +171,7 @@ def test_a_checkpoint_keeps_every_tensor_argument_of_its_call_as_predicted():
     p.restore()
     plan.apply(w.model)
     try:
-        traced = with_rng_states(trace(w), plan.regions).peak().bytes
+        traced = trace(w).peak().bytes
     finally:
         plan.remove(w.model)
     p.restore()
@@ -227,7 +225,7 @@ def test_an_op_sac_block_before_a_recomputed_region_peaks_as_predicted_under_the
     p.restore()
     plan.apply(w.model)
     try:
-        retraced = with_rng_states(trace(w), plan.regions)
+        retraced = trace(w)
     finally:
         plan.remove(w.model)
     traced = retraced.peak()
@@ -268,7 +266,7 @@ def test_the_solver_is_never_above_a_named_baseline():
 @pytest.mark.slow
 def test_a_unet_plan_within_its_budget_is_within_it_when_measured(tmp_path):
     """The budget is device memory: the traced storages, the convolutions' own scratch (measured, each kernel
-    run alone) and the RNG state each checkpointed call keeps (which no dispatch-level trace sees). The
+    run alone) and the RNG states each checkpointed call keeps and forks (declared: the plain step has none). The
     oracle is the profiler's peak of the planned step in a fresh process (``tests/oracle_profiler.py``)."""
     from tests.test_export_policy import run_child
     from trainledger import examples

@@ -29,7 +29,6 @@ from trainledger.remat._candidates import (
     linear_model,
     regions_of,
     replay,
-    with_rng_states,
 )
 from trainledger.remat._full import (
     InfeasibleReserved,
@@ -128,5 +127,4 @@ __all__ = [
     "uniform_chain_model",
     "verify",
     "verify_fake",
-    "with_rng_states",
 ]

@@ -44,7 +44,7 @@ from torch import nn
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger, ModuleCall
 from trainledger.remat._plan import OP_POLICIES, Policy, Region
 from trainledger.remat._solvers import Chain, LinearModel
-from trainledger.trace import KERNEL_INTERNAL, ForwardRecord, StorageRecord
+from trainledger.trace import KERNEL_INTERNAL, RNG_STATE_ROLE, ForwardRecord, StorageRecord
 
 OTHER_OP_FLOPS_PER_ELEMENT = 1
 """The recompute cost of an op ``FlopCounterMode`` has no formula for (elementwise ops, norms, softmax,
@@ -580,9 +580,6 @@ def _replay_one(cs: Candidates, j: int, c: Candidate, lay: _Layout, touched: dic
     extra.extend(_rng_state(cs, rc, lay))
 
 
-RNG_STATE_ROLE = "checkpoint_rng_state"
-
-
 @functools.cache
 def cpu_rng_state_bytes() -> int:
     """Bytes of the CPU generator's state, which each checkpointed call copies (``preserve_rng_state``)."""
@@ -592,18 +589,24 @@ def cpu_rng_state_bytes() -> int:
 
 
 def _rng_state(cs: Candidates, rc: _Recompute, lay: _Layout) -> list[Entry]:
-    """The CPU RNG state the checkpoint copies when the call starts and keeps until its backward is over
-    (``torch.get_rng_state()``, made outside the dispatcher, so no trace sees it; the profiler does). On a
-    CUDA step it is host memory, and not counted on the device."""
+    """The CPU RNG state the checkpoint copies when the call starts and keeps until its backward is over,
+    and the one its recomputation forks (``torch.random.fork_rng``: the state to go back to), held while it
+    runs. Both are ``torch.get_rng_state()`` copies, made outside the dispatcher; the trace of the step with
+    the plan applied sees them as the tracer sees every such copy. On a CUDA step they are host memory, and
+    not counted on the device."""
     if not cs.plain.device.startswith("cpu"):
         return []
-    return [_rng_entry(rc.c.region, int(lay.new[rc.c.fwd[0]]), rc.keep_until)]
+    label = rc.c.region.label
+    return [
+        _rng_entry(f"rng_state@{label}", rc.c.region, int(lay.new[rc.c.fwd[0]]), rc.keep_until),
+        _rng_entry(f"rng_state@{label}.recompute", rc.c.region, rc.start, rc.rec_end),
+    ]
 
 
-def _rng_entry(region: Region, alloc: int, free: int | None) -> Entry:
+def _rng_entry(name: str, region: Region, alloc: int, free: int | None) -> Entry:
     nbytes = cpu_rng_state_bytes()
     return Entry(
-        f"rng_state@{region.label}",
+        name,
         Category.OTHER,
         RNG_STATE_ROLE,
         "uint8",
@@ -614,22 +617,6 @@ def _rng_entry(region: Region, alloc: int, free: int | None) -> Entry:
         free_event=free,
         evidence=Evidence.DECLARED,
     )
-
-
-def with_rng_states(ledger: Ledger, regions: Sequence[Region]) -> Ledger:
-    """A step traced with a plan applied, with the RNG state each checkpointed call keeps (which the trace
-    does not see) added as :func:`replay` adds it to the prediction: from the call's first forward event to
-    the end of its backward."""
-    if not ledger.device.startswith("cpu"):
-        return ledger
-    added = []
-    for c in ledger.calls:
-        if not c.grad or c.stop <= c.start or ledger.events[c.start].phase != "forward":
-            continue
-        for r in regions:
-            if r.path == c.path and (r.call is None or c.index % r.num_calls == r.call):
-                added.append(_rng_entry(r, c.start, c.backward_stop))
-    return ledger.with_entries((*ledger.entries, *added)) if added else ledger
 
 
 def _unsaved_free(cs: Candidates, rc: _Recompute, i: int) -> int:

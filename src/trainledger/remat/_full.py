@@ -26,7 +26,7 @@ from torch import nn
 
 from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.ledger import Ledger
-from trainledger.remat._candidates import replay, with_rng_states
+from trainledger.remat._candidates import replay
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
 from trainledger.remat._planner import InfeasibleBudget, Planner, _both
 from trainledger.remat._reserved import ReservedFit, reserved_of
@@ -213,7 +213,7 @@ def verify_fake(
     if allocator is None:
         return v
     reserved = predict_reserved(
-        with_rng_states(rank, plan.regions),
+        rank,
         kernel_kind=plan.kernel_kind,
         config=allocator,
         capacity_bytes=capacity_bytes,

@@ -292,9 +292,6 @@ def verification_of(
     seconds: tuple[float | None, float | None] = (None, None),
 ) -> Verification:
     """What the re-traced step ``traced``, the recomputations counted (``runs``) and the comparisons showed."""
-    from trainledger.remat._candidates import with_rng_states
-
-    traced = with_rng_states(traced, plan.regions)
     predicted = plan.predicted_peak_bytes if plan.predicted_peak_bytes is not None else traced.peak().bytes
     return Verification(
         traced=traced.summary(),

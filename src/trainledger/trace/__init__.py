@@ -52,6 +52,7 @@ from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._restore import RESTORED_NOTE, TrainingState
+from trainledger.trace._rngstate import RNG_STATE_ROLE, rng_states_seen
 from trainledger.trace._scopes import ModuleScopes, label_graph
 from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
@@ -61,6 +62,7 @@ __all__ = [
     "KERNEL_INTERNAL",
     "PROBED_OPS",
     "RESTORED_NOTE",
+    "RNG_STATE_ROLE",
     "SMALL_BUFFER_BYTES",
     "CudaKernels",
     "EmptyWeights",
@@ -454,7 +456,12 @@ def _trace(
         if kernels is not None:  # count the traced step's calls only
             kernels.reset()
         with quiet_gc(generation=1), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
-            with _user_errors("the traced step"), kernels or contextlib.nullcontext():
+            on_cpu = cuda is None and all(p.device.type == "cpu" for p in parameters)  # else host memory
+            with (
+                _user_errors("the traced step"),
+                kernels or contextlib.nullcontext(),
+                rng_states_seen(tracer, enabled=on_cpu),
+            ):
                 start = time.perf_counter()
                 run_step(workload, on_phase=on_phase, on_loss=lambda loss: label_graph(loss, LOSS_SCOPE))
                 seconds = time.perf_counter() - start
