@@ -108,3 +108,10 @@ def test_a_checkpointed_stack_extends_its_states():
     extended, full = trace_stacked(build, 7), trace(build(7), fake=True)
     assert len(_states(full)) == 2 * 7  # each layer's state, and its recomputation's fork
     assert_same_ledger(extended, full)
+
+
+def test_the_declared_size_of_the_cpu_generator_state_is_torchs():
+    """The analytic model declares the state by its size; the trace measures it."""
+    from trainledger.declared import CPU_RNG_STATE_BYTES
+
+    assert torch.get_rng_state().nbytes == CPU_RNG_STATE_BYTES

@@ -31,6 +31,15 @@ OPTIMIZER_ARRAYS: dict[str, tuple[str, ...]] = {
     "none": (),
 }
 
+RNG_STATE_ROLE = "checkpoint_rng_state"
+"""The role of a copy of the CPU generator's state that ``torch.utils.checkpoint`` makes
+(``preserve_rng_state=True``): traced, declared by a plan's prediction, or analytic."""
+
+CPU_RNG_STATE_BYTES = 5056
+"""Bytes of ``torch.get_rng_state()``: the CPU generator's state (Mersenne Twister's 624 words and its
+normal-sampling cache, ``CPUGeneratorImplState``), uint8; checked against torch in the tests."""
+
+
 EXCLUDED = (
     "activations",
     "workspace",

@@ -33,6 +33,7 @@ from trainledger.analytic._activations import (
 from trainledger.analytic._arch import ArchSpec
 from trainledger.analytic._params import ParamTensor, param_tensors
 from trainledger.analytic._setup import Setup, setup_to_dict
+from trainledger.declared import CPU_RNG_STATE_BYTES, RNG_STATE_ROLE
 from trainledger.devices import cublas_workspace_bytes
 from trainledger.ledger import Category, Entry, Event, Evidence, Ledger
 from trainledger.units import DTYPE_BYTES
@@ -300,6 +301,23 @@ class _Builder:
         for s in pieces:
             until = bwd[f"{_release_of(s.name)}{i}"] + 1
             self.work(f"{s.name}.recomputed", s.dtype, self.tp_numel(s), bwd[f"mlp_out{i}"], until)
+        if setup.device == "cpu":  # on CUDA the generator states are host memory
+            self._checkpoint_rng_states(lm, fwd[f"attn{i}"], bwd[f"mlp_out{i}"], bwd[f"attn{i}"] + 1)
+
+    def _checkpoint_rng_states(self, owner: str, start: int, recompute: int, end: int) -> None:
+        """The CPU generator's state a checkpointed layer copies (``preserve_rng_state``): kept from its
+        forward to the end of its backward, and a second copy ``fork_rng`` takes while it recomputes."""
+        for name, alloc, free in (("kept", start, end), ("recompute", recompute, recompute + 1)):
+            self.add(
+                f"{owner}.rng_state.{name}",
+                Category.OTHER,
+                RNG_STATE_ROLE,
+                "uint8",
+                CPU_RNG_STATE_BYTES,
+                owner=owner,
+                alloc_event=alloc,
+                free_event=free,
+            )
 
     def _loss_workspace(self, clock: _Clock) -> None:
         """Around the loss: bf16 logits held in the output until the loss is computed, their fp32 copy, the

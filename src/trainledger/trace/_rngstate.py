@@ -18,13 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainledger.declared import RNG_STATE_ROLE
 from trainledger.ledger import Category
 
 if TYPE_CHECKING:
     from trainledger.trace._tracer import StepTracer
-
-RNG_STATE_ROLE = "checkpoint_rng_state"
-"""The role of a copy of the CPU generator's state (traced, or declared by a plan's prediction)."""
 
 
 @contextlib.contextmanager
