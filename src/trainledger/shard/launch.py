@@ -54,7 +54,7 @@ from trainledger.devices import Device, KernelKind
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.shard import Collective, ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
-from trainledger.shard._observe import CollectiveCounter, settled_collectives
+from trainledger.shard._observe import SETTLE_SECONDS, CollectiveCounter, settled_collectives
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
@@ -594,8 +594,9 @@ def _trace_settled(workload: Any, backend: str) -> Ledger:
     from trainledger.trace import fsdp_storages, trace
 
     device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
-    for _ in range(TRACE_ATTEMPTS):
-        with fsdp_storages(workload.model), settled_collectives():
+    for attempt in range(TRACE_ATTEMPTS):
+        # a loaded machine's worker threads may need longer to let go: each attempt waits four times longer
+        with fsdp_storages(workload.model), settled_collectives(SETTLE_SECONDS * 4**attempt):
             ledger = trace(workload)
         unsettled = torch.tensor([ledger.meta.get("frees_on_other_threads", 0)], device=device)
         dist.all_reduce(unsettled, op=dist.ReduceOp.MAX)
