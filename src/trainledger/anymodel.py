@@ -26,7 +26,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -268,6 +268,60 @@ def build_any_model(
         model.train()
         return model
     raise AssertionError("unreachable: eager attention is always tried last")
+
+
+# --- one stack of blocks: the depth a stacked trace builds at -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Depth:
+    """The config key that sets the depth of an architecture's one stack of blocks, and the depth."""
+
+    key: str
+    """``num_hidden_layers``, or the name the config class keeps it under (``n_layer``, ``num_layers``)."""
+    num_layers: int
+    uneven: str | None
+    """Why the config's layers are not all alike (a per-layer list with different entries), or ``None``."""
+
+
+def depth_of(cfg: AnyConfig) -> Depth | None:
+    """How deep the architecture's stack of blocks is, and under which key; ``None`` for a model with several
+    stacks of their own sizes (an image–text model's towers) or none.
+
+    Example:
+        >>> depth_of(load_any_config({"model_type": "bert", "num_hidden_layers": 24}))
+        Depth(key='num_hidden_layers', num_layers=24, uneven=None)
+    """
+    config = _transformers_config(cfg, "eager", None)
+    if getattr(config, "sub_configs", None):
+        return None
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        return None
+    key = type(config).attribute_map.get("num_hidden_layers", "num_hidden_layers")
+    if key not in cfg.raw and "num_hidden_layers" in cfg.raw:
+        key = "num_hidden_layers"
+    uneven = next(
+        (
+            f"its layers differ ({name})"
+            for name, value in vars(config).items()
+            if isinstance(value, list | tuple) and len(value) == num_layers > 1 and len({repr(v) for v in value}) > 1
+        ),
+        None,
+    )
+    return Depth(key, num_layers, uneven)
+
+
+def at_depth(cfg: AnyConfig, depth: Depth, blocks: int) -> AnyConfig:
+    """``cfg`` with ``blocks`` layers (per-layer lists, all alike, cut to length); notes kept once."""
+    raw = {k: v[:blocks] if isinstance(v, list) and len(v) == depth.num_layers else v for k, v in cfg.raw.items()}
+    raw[depth.key] = blocks
+    return replace(cfg, raw=raw)
+
+
+def skeleton(cfg: AnyConfig, *, dtype: torch.dtype = torch.float32, image_size: int | None = None) -> nn.Module:
+    """The task's model of ``cfg`` on the meta device: its modules, no memory, nothing run."""
+    return build_any_model(cfg, dtype=dtype, image_size=image_size, mode=torch.device("meta"))
 
 
 def _one_line(exc: BaseException) -> str:

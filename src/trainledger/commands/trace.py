@@ -163,11 +163,12 @@ def in_analytic_family(args: argparse.Namespace) -> bool:
     return True
 
 
-def _any_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
-    """The step of an architecture outside the analytic families (its notes on stderr, one line each)."""
+def _any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: Any = None) -> Workload:
+    """The step of an architecture outside the analytic families (its notes on stderr, one line each);
+    ``cfg``: the config to build instead of ``--hf-config`` (the same at another depth)."""
     from trainledger.anymodel import IMAGE_ONLY_TASKS, default_seq_len, load_any_config, workload_from_any_config
 
-    cfg = load_any_config(args.hf_config, task=args.task)
+    cfg = cfg if cfg is not None else load_any_config(args.hf_config, task=args.task)
     step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
     check_lora_flags(step)
     if cfg.task in IMAGE_ONLY_TASKS and "seq_len" in given:
@@ -177,6 +178,59 @@ def _any_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
     for note in cfg.notes:
         Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
     return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=args.fake)
+
+
+def _any_stack(args: argparse.Namespace) -> tuple[Any, Any] | None:
+    """The config of an architecture outside the analytic families and the depth of its one stack of blocks,
+    when it has one to trace a few blocks deep (``None``: traced whole)."""
+    from trainledger.anymodel import depth_of, load_any_config
+
+    if args.timm or args.diffusers_config:
+        return None
+    cfg = load_any_config(args.hf_config, task=args.task)
+    depth = depth_of(cfg)
+    return None if depth is None else (cfg, depth)
+
+
+def _trace_any_stacked(args: argparse.Namespace, cfg: Any, depth: Any, **kwargs: Any) -> tuple[Any, int]:
+    """:func:`trainledger.trace.trace_stacked` over ``cfg`` built at each depth (its notes printed once)."""
+    from dataclasses import replace
+
+    from trainledger.anymodel import at_depth, skeleton
+    from trainledger.ledger import Category
+    from trainledger.trace import trace_stacked
+
+    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    quiet = replace(cfg, notes=())
+    built: list[int] = []
+
+    def build(blocks: int) -> Workload:
+        source = quiet if built else cfg  # the config's notes printed with the first build only
+        built.append(blocks)
+        return _any_workload(args, given, source if blocks == depth.num_layers else at_depth(source, depth, blocks))
+
+    def skeleton_at(blocks: int) -> Any:
+        return skeleton(at_depth(quiet, depth, blocks), image_size=args.image_size)
+
+    ledger = trace_stacked(
+        build,
+        depth.num_layers,
+        fake=True,
+        differs=depth.uneven or _shallow_refused(skeleton_at),
+        skeleton=skeleton_at,
+        **kwargs,
+    )
+    return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
+
+
+def _shallow_refused(skeleton_at: Callable[[int], Any]) -> str | None:
+    """Why the architecture cannot be built a few blocks deep (a config whose other settings name every layer,
+    as GPT-Neo's ``attention_types``), or ``None``: then it is traced whole."""
+    try:
+        skeleton_at(3)
+    except InputError as exc:
+        return f"it cannot be built 3 blocks deep: {exc}"
+    return None
 
 
 def _vision_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
@@ -217,13 +271,15 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.full_depth and not (args.hf_config and args.fake):
         raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
-    stacked = (
-        args.hf_config and (args.fake or cuda) and not (args.full_depth or args.model) and in_analytic_family(args)
-    )
-    workload = None if stacked else _trace_workload(args)
+    at_full_size = args.hf_config and (args.fake or cuda) and not (args.full_depth or args.model)
+    stacked = at_full_size and in_analytic_family(args)
+    any_stack = _any_stack(args) if at_full_size and not stacked else None
+    workload = None if stacked or any_stack is not None else _trace_workload(args)
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:
-        if workload is None:
+        if any_stack is not None:
+            ledger, num_params = _trace_any_stacked(args, *any_stack, progress=progress, **kinds)
+        elif workload is None:
             build_at = partial(_trace_workload, args)  # the same step, from the config at another depth
             ledger, num_params = trace_hf_stacked(
                 args.hf_config, lambda cfg: build_at(config=cfg), progress=progress, **kinds

@@ -23,6 +23,7 @@ from trainledger.devices import Device, KernelKind, SdpaCall, sdpa_backend
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
+from trainledger.trace._blocks import blocks_differ
 from trainledger.trace._cuda import (
     DISPATCH_SUBSTITUTES,
     CudaFacts,
@@ -279,6 +280,7 @@ def trace_stacked(
     kernel_kind: KernelKind = "cpu",
     cuda_device: str | Device | None = None,
     world_size: int = 1,
+    skeleton: Callable[[int], torch.nn.Module] | None = None,
 ) -> Ledger:
     """Trace a model of ``num_blocks`` identical blocks by tracing a few of them and extending the ledger.
 
@@ -299,6 +301,9 @@ def trace_stacked(
         depths: the depths traced, each at least 3; the first is extended, the others check it.
         differs: why the blocks are known to differ (per-layer settings): then every block is traced, and
             the note gives this reason.
+        skeleton: ``skeleton(d)``, the model with ``d`` blocks on the meta device: its blocks at full depth
+            are compared with the traced ones they are made from, so that a pattern the traced depths cannot
+            show (every sixth layer global) is traced whole (``trace/_blocks.py``).
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -322,10 +327,9 @@ def trace_stacked(
         cuda=gpu,
         world_size=world_size,
     )
-    if differs is not None:
-        return whole(differs)
-    if num_blocks <= depths[-1]:
-        return whole(f"{num_blocks} blocks are no deeper than the traces")
+    why = _known_to_differ(num_blocks, depths, differs, skeleton)
+    if why is not None:
+        return whole(why)
     fake = fake or gpu is not None
     # On fake tensors the collector only walks the hundreds of thousands of objects torch and transformers
     # made at import, a third of the time of a 405B step's builds, traces and extension; nothing it could
@@ -344,6 +348,20 @@ def trace_stacked(
             ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "cuda_facts": grown})
             return _as_cuda(ledger, world_size, kernels if kernel_workspace else [])
     return whole(why)
+
+
+def _known_to_differ(
+    num_blocks: int, depths: list[int], differs: str | None, skeleton: Callable[[int], torch.nn.Module] | None
+) -> str | None:
+    """Why the model is traced whole before any trace is made: blocks known to differ, a model no deeper than
+    the traces, or a skeleton whose blocks at full depth are unlike the traced ones."""
+    if differs is not None:
+        return differs
+    if num_blocks <= depths[-1]:
+        return f"{num_blocks} blocks are no deeper than the traces"
+    if skeleton is not None:
+        return blocks_differ(skeleton(num_blocks), skeleton(depths[0]), num_blocks, depths[0])
+    return None
 
 
 def _extend_facts(base: CudaFacts, next_: CudaFacts, depths: list[int], num_blocks: int) -> CudaFacts:

@@ -25,9 +25,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from trainledger.ledger import Entry, Event, Ledger, ModuleCall
+from trainledger.ledger import ROOT_SCOPE, Entry, Event, Ledger, ModuleCall
 
-__all__ = ["NotRepeating", "Stack", "extend", "find_stack", "first_difference"]
+__all__ = ["NotRepeating", "Stack", "extend", "find_stack", "first_difference", "source_block"]
 
 T = TypeVar("T")
 
@@ -52,6 +52,10 @@ class Stack:
         object.__setattr__(self, "_pattern", re.compile(pattern))
         object.__setattr__(self, "_pieces", {})  # text -> its pieces around the block indices it carries
 
+    def encloses(self, path: str) -> bool:
+        """Whether the module at ``path`` holds the list: the model itself, or a module above the list."""
+        return path == ROOT_SCOPE or self.prefix.startswith(path + ".")
+
     def block_of(self, text: str) -> int | None:
         """The block index a name carries (the first one), or ``None``."""
         m = self._pattern.search(text)  # type: ignore[attr-defined]
@@ -70,6 +74,19 @@ class Stack:
         for i in range(1, len(pieces), 2):
             out += (f"{self.prefix}.{int(pieces[i]) + by}", pieces[i + 1])
         return "".join(out)
+
+
+def source_block(t: int, base_depth: int, depth: int) -> int:
+    """The block of a ``base_depth``-block trace that block ``t`` of the ``depth``-block extension repeats: the
+    first and the last keep their own, the one before the last repeats for all between.
+
+    Example:
+        >>> [source_block(t, 3, 6) for t in range(6)]
+        [0, 1, 1, 1, 1, 2]
+    """
+    if t == depth - 1:
+        return base_depth - 1
+    return min(t, base_depth - 2)
 
 
 def find_stack(calls_at_depth: dict[int, Sequence[ModuleCall]]) -> Stack:
@@ -197,9 +214,7 @@ class _Layout:
 
     def source(self, t: int) -> int:
         """The base block whose events target block ``t`` repeats."""
-        if t == self.n - 1:
-            return self.d - 1
-        return min(t, self.d - 2)
+        return source_block(t, self.d, self.n)
 
     def targets(self, b: int) -> range:
         """The target blocks that repeat base block ``b``."""
@@ -230,8 +245,10 @@ class _Layout:
     def end(self, p: int | None, start: int | None, home: Home, anchor: int | None = None) -> int | None:
         """The target of ``p``, one past the last event of something that began at ``start`` (a lifetime's
         free event, a call's stop): one past the target of its last event, so that an array freed right
-        after the last block's last op is freed right after that op in every block, not at the head."""
-        if p is None or p == 0 or p == start:
+        after the last block's last op is freed right after that op in every block, not at the head. What is
+        freed when the step has ended (gradients set to ``None`` after a last sweep over the blocks, OPT's
+        master copies written back) is freed when the extended step has ended."""
+        if p is None or p == 0 or p == start or p >= len(self.base_events):
             return self.position(p, home, anchor)
         last = self.position(p - 1, home, anchor)
         assert last is not None
@@ -330,7 +347,11 @@ def _calls(base: Ledger, layout: _Layout) -> list[ModuleCall]:
     def block_of(i: int) -> int | None:
         c = base.calls[i]
         b = layout.stack.block_of(c.path)
-        return b if b is not None else layout.block_of_event(c.start)
+        if b is not None:
+            return b
+        if layout.stack.encloses(c.path):  # the model, or the module holding the list (BERT's encoder, whose
+            return None  # first op is block 0's): the skeleton, wherever its first event lies
+        return layout.block_of_event(c.start)  # a module shared by the blocks, called inside one
 
     homes = layout.expand_runs(range(len(base.calls)), block_of)
     at: dict[tuple[int, Home], int] = {(i, home): pos for pos, (i, home) in enumerate(homes)}
