@@ -112,6 +112,10 @@ def test_a_model_without_candidates_says_why(cli):
             "number of budgets 1 must be at least 2 (the plain peak and the floor)",
         ),
         (["pareto", "--model", "gpt-tiny", "--plot", "curve.gif"], "accepted: .png, .svg"),
+        (
+            ["pareto", "--model", "gpt-tiny", "--budget-on", "peak"],
+            "argument --budget-on: invalid choice: 'peak'",
+        ),
         (["pareto"], "give --model"),
     ],
 )
@@ -143,9 +147,9 @@ def test_data_dependent_routing_is_verified_from_the_same_weights(cli_json):
 
 def test_solver_and_cost_names_on_the_command_line_match_the_library():
     from trainledger.commands import plan
-    from trainledger.remat import COSTS, SOLVERS
+    from trainledger.remat import BUDGET_ON, COSTS, SOLVERS
 
-    assert plan.SOLVERS == SOLVERS and plan.COSTS == COSTS
+    assert plan.SOLVERS == SOLVERS and plan.COSTS == COSTS and plan.BUDGET_ON == BUDGET_ON
 
 
 def test_missing_scipy_is_one_line_with_the_install_hint(cli, monkeypatch):

@@ -177,11 +177,6 @@ def test_cli_plan_needs_a_budget_or_a_device(cli):
     assert code == 2 and "give --budget" in err and "--device NAME" in err
 
 
-def test_cli_plan_refuses_the_allocator_on_a_real_cpu_plan(cli):
-    code, _, err = cli("plan", "--model", "gpt-tiny", "--budget", "60%", "--allocator")
-    assert code == 2 and "add --fake" in err
-
-
 def test_plan_of_another_kind_is_refused_for_seconds():
     from trainledger.examples import gpt_tiny
 

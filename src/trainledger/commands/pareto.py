@@ -13,8 +13,10 @@ from trainledger.commands._gpu import Target, device_line
 from trainledger.commands._hfstep import add_step_source_flags, workload_for
 from trainledger.commands.common import add_json_flag, input_paths, positive_int, print_json
 from trainledger.commands.plan import (
+    add_budget_on_flag,
     add_cost_flag,
     add_kernel_flags,
+    budget_on,
     check_kernel_kind,
     full_size,
     kernels_line,
@@ -33,12 +35,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "pareto",
         help="activation checkpointing: peak against extra compute, plain peak down to the floor",
         description="Sweep budgets from the plain step's traced peak down to the floor and compare our plans "
-        "with the MILP optimum, a greedy knapsack, uniform per-block checkpointing and Chen's sqrt(n).",
+        "with the MILP optimum, a greedy knapsack, uniform per-block checkpointing and Chen's sqrt(n); with "
+        "--budget-on reserved, budgets on the caching allocator's predicted reserved bytes instead.",
     )
     add_step_source_flags(p)
     p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets, 2 to 64 (default 8)")
     add_cost_flag(p)
     add_kernel_flags(p)
+    add_budget_on_flag(p, "what each budget of the sweep is on")
     p.add_argument("--verify", action="store_true", help="apply each of our plans and trace the step again")
     p.add_argument("--plot", metavar="FILE", help="write the curve as a picture (.png or .svg)")
     add_json_flag(p)
@@ -60,6 +64,7 @@ def compute(args: argparse.Namespace) -> ParetoResult:
         "cuda_device": args.device if kind == "cuda" else None,
         "allocator": target.allocator,
         "capacity_bytes": target.capacity_bytes,
+        "budget_on": budget_on(args),
     }
     if full_size(args, kind):
         from trainledger.remat import Sharding
@@ -99,49 +104,20 @@ def _cost(p: Point | None, seconds: bool) -> str:
 
 def render(result: ParetoResult, console: Console, *, device: Any = None) -> None:
     seconds = result.cost == "seconds"
-    verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
     reserved = any(r.ours and r.ours.reserved_peak_bytes is not None for r in result.rows)
-    first = [kernels_line(result)] + ([device_line(device)] if device is not None else [])
-    table = Table(
-        title=f"{result.model}: cheapest recomputation per budget (extra compute = "
-        + ("measured ms of recomputed ops" if seconds else "recomputed FLOPs")
-        + ")",
-        title_justify="left",
-    )
-    for col in ("budget", "% plain", "ours: peak", "ours: extra", "MILP optimum", "greedy", "recomputed"):
-        table.add_column(col, justify="left" if col == "recomputed" else "right")
-    if reserved:
-        table.add_column("ours: reserved", justify="right")
-    if verified:
-        table.add_column("traced peak", justify="right")
-        table.add_column("grads equal", justify="right")
     sac = result.extra.get("torch_sac_ilp") or {}
-    per_rank = "per_rank" in result.extra  # our plan is the MILP's; peaks are the fullest rank's
-    if sac.get("ran"):
-        table.add_column("PyTorch SAC MILP", justify="right")
-    for k, r in enumerate(result.rows):
-        o = r.ours
-        row = [
-            f"{r.budget_bytes:,}",
-            f"{100 * r.budget_bytes / result.plain_peak_bytes:.1f}%",
-            f"{o.peak_bytes:,}" if o else "-",
-            _cost(o, seconds),
-            "-" if per_rank else _cost(r.milp, seconds),
-            "-" if per_rank else _cost(r.greedy, seconds),
-            ", ".join(o.regions) if o and o.regions else "nothing",
-        ]
-        if reserved:
-            row.append(f"{o.reserved_peak_bytes:,}" if o and o.reserved_peak_bytes is not None else "-")
-        if verified:
-            row += [f"{o.traced_peak_bytes:,}" if o else "-", "yes" if o and o.gradients_bitwise_equal else "NO"]
-        if sac.get("ran"):
-            row.append(f"{sac_cell(sac['as_given'][k])}\n-optim: {sac_cell(sac['less_optimizer'][k])}")
-        table.add_row(*row)
+    first = [kernels_line(result)] + ([device_line(device)] if device is not None else [])
     lines = [
         f"plain step's traced peak {result.plain_peak_bytes:,} bytes ({both_units(result.plain_peak_bytes)}); floor "
         f"{result.floor_bytes:,} bytes ({both_units(result.floor_bytes)}), the lowest peak any plan reaches; "
         f"persistent state and the largest op alone {result.state_floor_bytes:,} bytes",
     ]
+    if result.plain_reserved_bytes is not None and result.floor_reserved_bytes is not None:
+        lines.append(
+            f"predicted reserved (allocator model): plain step {result.plain_reserved_bytes:,} bytes "
+            f"({both_units(result.plain_reserved_bytes)}), the lowest-peak plan {result.floor_reserved_bytes:,} "
+            f"({both_units(result.floor_reserved_bytes)})"
+        )
     for p in (result.uniform, result.sqrt_n):
         name = "uniform per-block checkpointing" if p.method == "uniform" else "Chen's sqrt(n) segments"
         lines.append(f"{name}: peak {p.peak_bytes:,} bytes at {_cost(p, seconds)} ({len(p.regions)} regions)")
@@ -153,16 +129,90 @@ def render(result: ParetoResult, console: Console, *, device: Any = None) -> Non
             "the budget as it is and (-optim) less the optimizer state; * = it discards part of a module's "
             "activations (a per-op policy), shown with those modules recomputed whole; over = above the budget"
         )
-    if reserved:
+    if result.budget_on == "reserved":
+        lines += _reserved_notes(result)
+    elif reserved:
         lines.append(
             "ours: reserved: the plan's ledger replayed through the caching allocator's model, its predicted "
             "max_memory_reserved (analytic, not measured); the peaks beside it are traced allocated bytes"
         )
-    items: list[Any] = [Text("\n".join(first)), table, Text("\n".join(lines))]
+    items: list[Any] = [Text("\n".join(first)), sweep_table(result), Text("\n".join(lines))]
     if result.baselines:
         items.append(baselines_table(result))
     items.append(notes_text([*result.candidate_notes, UNITS_NOTE]))
     print_renderables(*items, console=console)
+
+
+def _reserved_notes(result: ParetoResult) -> list[str]:
+    """What a sweep on reserved memory's columns are, and the budgets no round met."""
+    lines = [
+        "budgets on predicted reserved bytes (the allocator model's max_memory_reserved of each plan's ledger, "
+        "analytic, not measured), from the plain step's down to the lowest-peak plan's: each solved on allocated "
+        "bytes, replayed through the allocator model and the allocated budget lowered by the excess (then "
+        "bisected) over 'rounds', as plan --budget-on reserved does; '% plain' is of the plain step's reserved, 'ours: "
+        "peak' the plan's allocated peak; MILP and greedy are left out (they see allocated bytes only)"
+    ]
+    missed = [r for r in result.rows if not r.fits]
+    if missed:
+        budgets = ", ".join(f"{r.budget_bytes:,}" for r in missed)
+        lines.append(
+            f"NOT MET: no round fits the budget {budgets} on reserved memory; those rows show the plan with the "
+            "lowest predicted reserved peak reached"
+        )
+    return lines
+
+
+def sweep_table(result: ParetoResult) -> Table:
+    """A row per budget: our plan, and beside it the MILP optimum and the greedy knapsack (allocated budgets),
+    or how each budget on reserved memory was met."""
+    seconds = result.cost == "seconds"
+    on_reserved = result.budget_on == "reserved"
+    verified = any(r.ours and r.ours.traced_peak_bytes is not None for r in result.rows)
+    reserved = any(r.ours and r.ours.reserved_peak_bytes is not None for r in result.rows)
+    sac = result.extra.get("torch_sac_ilp") or {}
+    per_rank = "per_rank" in result.extra  # our plan is the MILP's; peaks are the fullest rank's
+    on = "predicted reserved bytes" if on_reserved else "allocated bytes"
+    table = Table(
+        title=f"{result.model}: cheapest recomputation per budget on {on} (extra compute = "
+        + ("measured ms of recomputed ops" if seconds else "recomputed FLOPs")
+        + ")",
+        title_justify="left",
+    )
+    plain = result.plain_reserved_bytes if on_reserved else result.plain_peak_bytes
+    assert plain is not None, "a sweep on reserved memory has the plain step's reserved peak"
+    columns = ["budget", "% plain", "ours: reserved", "fits", "ours: peak", "rounds"]
+    if not on_reserved:
+        columns = ["budget", "% plain", "ours: peak", *(["ours: reserved"] if reserved else [])]
+    columns += ["ours: extra", *([] if on_reserved else ["MILP optimum", "greedy"]), "recomputed"]
+    columns += ["traced peak", "grads equal"] if verified else []
+    columns += ["traced reserved"] if verified and reserved else []
+    columns += ["PyTorch SAC MILP"] if sac.get("ran") else []
+    for col in columns:
+        table.add_column(col, justify="left" if col == "recomputed" else "right")
+    for k, r in enumerate(result.rows):
+        o = r.ours
+        row = [f"{r.budget_bytes:,}", f"{100 * r.budget_bytes / plain:.1f}%"]
+        if on_reserved:
+            assert o is not None and r.reserved is not None  # every budget on reserved memory has a plan
+            row += [f"{r.reserved.max_reserved_bytes:,}", "yes" if r.fits else "NO", f"{o.peak_bytes:,}"]
+            row.append(str(r.reserved.num_rounds))
+        else:
+            row.append(f"{o.peak_bytes:,}" if o else "-")
+            if reserved:
+                row.append(f"{o.reserved_peak_bytes:,}" if o and o.reserved_peak_bytes is not None else "-")
+        row.append(_cost(o, seconds))
+        if not on_reserved:
+            row += ["-" if per_rank else _cost(r.milp, seconds), "-" if per_rank else _cost(r.greedy, seconds)]
+        row.append(", ".join(o.regions) if o and o.regions else "nothing")
+        if verified:
+            row += [f"{o.traced_peak_bytes:,}" if o else "-", "yes" if o and o.gradients_bitwise_equal else "NO"]
+        if verified and reserved:
+            traced = o.traced_reserved_peak_bytes if o else None
+            row.append(f"{traced:,}" if traced is not None else "-")
+        if sac.get("ran"):
+            row.append(f"{sac_cell(sac['as_given'][k])}\n-optim: {sac_cell(sac['less_optimizer'][k])}")
+        table.add_row(*row)
+    return table
 
 
 def baselines_table(result: ParetoResult) -> Table:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from trainledger.remat import PlanResult
 
 # The command line's choices, kept here so that `--help` needs neither numpy nor scipy (the planner does);
-# a test holds them equal to trainledger.remat's SOLVERS and COSTS. argparse checks them; nothing else does.
+# a test holds them equal to trainledger.remat's SOLVERS, COSTS and BUDGET_ON. argparse checks them; nothing else does.
 SOLVERS = ("auto", "dp", "milp", "greedy", "sqrt-n", "uniform")
 COSTS = ("seconds", "flops")
+BUDGET_ON = ("allocated", "reserved")
 
 
 def require_solvers() -> None:
@@ -54,13 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default with --device: its usable memory)",
     )
     add_kernel_flags(p)
-    p.add_argument(
-        "--budget-on",
-        default=None,
-        choices=("allocated", "reserved"),
-        help="what must fit the budget: the peak of allocated bytes, or the caching allocator's predicted reserved "
-        "bytes (default reserved with --device or --allocator, else allocated)",
-    )
+    add_budget_on_flag(p, "what must fit the budget")
     p.add_argument("--verify", action="store_true", help="apply the plan, trace the step again, compare gradients")
     p.add_argument("--solver", default="auto", choices=SOLVERS, help=f"one of {', '.join(SOLVERS)} (default auto)")
     add_cost_flag(p)
@@ -85,6 +80,17 @@ def add_kernel_flags(p: argparse.ArgumentParser) -> None:
         "would run it, on fake tensors; the card is --device's, default an H100; cost in FLOPs)",
     )
     add_device_flags(p)
+
+
+def add_budget_on_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """``--budget-on allocated|reserved``; shared by ``plan`` and ``pareto``."""
+    p.add_argument(
+        "--budget-on",
+        default=None,
+        choices=BUDGET_ON,
+        help=f"{what}: the peak of allocated bytes, or the caching allocator's predicted reserved bytes "
+        "(default reserved with --device or --allocator, else allocated)",
+    )
 
 
 def kernel_kind_for(args: argparse.Namespace) -> str:
@@ -135,7 +141,7 @@ def budget_for(args: argparse.Namespace) -> Any:
     raise InputError("give --budget (a share such as 60%, or a size such as 70GiB) or --device NAME (its memory)")
 
 
-def budget_on(args: argparse.Namespace) -> str:
+def budget_on(args: argparse.Namespace) -> Literal["allocated", "reserved"]:
     """``--budget-on``, by default ``reserved`` when the allocator model runs (``--device``, ``--allocator``)."""
     return args.budget_on or ("reserved" if args.device is not None or args.allocator is not None else "allocated")
 
@@ -153,13 +159,16 @@ def compute(args: argparse.Namespace) -> PlanResult:
     if full_size(args, kind):
         return compute_fake(args, budget, kind)
     require_model(args)
-    if budget_on(args) == "reserved" or args.allocator is not None:
-        raise InputError(
-            "the allocator model replays a plan made on fake tensors: add --fake (or plan CUDA's kernels with "
-            "--device-kind cuda or --device NAME)"
-        )
     workload = load_workload(args.model)
-    return plan_and_verify(workload, budget, solver=args.solver, cost=args.cost or "seconds", verify=args.verify)
+    return plan_and_verify(
+        workload,
+        budget,
+        solver=args.solver,
+        cost=args.cost or "seconds",
+        verify=args.verify,
+        budget_on=budget_on(args),
+        allocator=args.allocator,
+    )
 
 
 def check_policy_path(args: argparse.Namespace) -> None:
@@ -267,19 +276,20 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
 
 
 def _solve(args: argparse.Namespace, planner: Any, budget_bytes: int, sharding: Any, config: Any) -> tuple[Any, Any]:
-    """The plan for ``budget_bytes``, on reserved memory with ``--budget-on reserved``; with the allocator model
-    on (``config``), its prediction for the plan (:class:`~trainledger.remat.ReservedFit`), else ``None``."""
-    from trainledger.remat import ReservedFit, reserved_of, solve_per_rank, solve_reserved
+    """The plan for ``budget_bytes`` on the bytes ``--budget-on`` names, with the allocator model's prediction
+    (:class:`~trainledger.remat.ReservedFit`) when it is on (``config``), else ``None``."""
+    from trainledger.remat import solve_budget
 
     capacity = args.device.usable_bytes if args.device is not None else None
-    if budget_on(args) == "reserved":
-        return solve_reserved(
-            planner, budget_bytes, sharding, config=config, capacity_bytes=capacity, solver=args.solver
-        )
-    p = solve_per_rank(planner, budget_bytes, sharding, solver=args.solver)
-    if config is None:
-        return p, None
-    return p, ReservedFit(None, None, 0, reserved_of(p, config=config, capacity_bytes=capacity))
+    return solve_budget(
+        planner,
+        budget_bytes,
+        sharding,
+        budget_on=budget_on(args),
+        config=config,
+        capacity_bytes=capacity,
+        solver=args.solver,
+    )
 
 
 def verification_note(args: argparse.Namespace, kind: str, compared: bool) -> str:

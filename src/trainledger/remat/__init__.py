@@ -11,7 +11,8 @@ Example:
 
 Private modules, public names chosen here: ``_budget`` (:class:`Budget`), ``_solvers`` (pure: chain DP,
 MILP, greedy, √n), ``_candidates`` (regions and costs from a traced step, and the replay of any plan on
-it), ``_planner`` (:func:`plan`), ``_plan`` (the :class:`Plan` object), ``_verify`` and ``_pareto``.
+it), ``_planner`` (:func:`plan`), ``_plan`` (the :class:`Plan` object), ``_reserved`` and ``_full`` (budgets
+on reserved memory, per rank), ``_plan_and_verify``, ``_verify`` and ``_pareto``.
 """
 
 from __future__ import annotations
@@ -35,21 +36,22 @@ from trainledger.remat._full import (
     RankPlanner,
     Sharding,
     plan_for_instance,
+    solve_budget,
     solve_per_rank,
     solve_reserved,
     verify_fake,
 )
 from trainledger.remat._pareto import ParetoResult, ParetoRow, Point, pareto
 from trainledger.remat._plan import OP_POLICIES, POLICIES, OpPolicy, Plan, Region, structure_fingerprint
+from trainledger.remat._plan_and_verify import plan_and_verify
 from trainledger.remat._planner import (
     InfeasibleBudget,
     Planner,
     PlanResult,
     peak_by_evidence,
     plan,
-    plan_and_verify,
 )
-from trainledger.remat._reserved import ReservedFit, reserved_of
+from trainledger.remat._reserved import BUDGET_ON, BudgetOn, ReservedFit, reserved_of
 from trainledger.remat._solvers import (
     SOLVERS,
     Chain,
@@ -71,12 +73,14 @@ from trainledger.remat._verify import AGREEMENT, Verification, compare_gradients
 
 __all__ = [
     "AGREEMENT",
+    "BUDGET_ON",
     "COSTS",
     "OP_POLICIES",
     "OTHER_OP_FLOPS_PER_ELEMENT",
     "POLICIES",
     "SOLVERS",
     "Budget",
+    "BudgetOn",
     "Candidate",
     "CandidateCost",
     "Candidates",
@@ -117,6 +121,7 @@ __all__ = [
     "replay",
     "reserved_of",
     "solve",
+    "solve_budget",
     "solve_dp",
     "solve_greedy",
     "solve_milp",

@@ -24,14 +24,22 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
+from trainledger.allocator import AllocatorConfig
+from trainledger.checks import one_of
 from trainledger.ledger import Ledger
 from trainledger.remat._candidates import replay
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
 from trainledger.remat._planner import InfeasibleBudget, Planner, _both
-from trainledger.remat._reserved import ReservedFit, reserved_of
+from trainledger.remat._reserved import BUDGET_ON, BudgetOn, ReservedFit, reserved_of
 from trainledger.remat._solvers import Solution, SolverName, min_peak
-from trainledger.remat._verify import Compared, Verification, compare_gradients, compare_state, verification_of
+from trainledger.remat._verify import (
+    Compared,
+    Verification,
+    compare_gradients,
+    compare_state,
+    verification_of,
+    with_reserved,
+)
 from trainledger.shard import Strategy, shard
 from trainledger.workload import Workload
 
@@ -210,15 +218,9 @@ def verify_fake(
         gradients, state = compare_gradients(small, small_plan), compare_state(small, small_plan)
     rank = sharding.rank_ledger(traced)
     v = verification_of(plan, rank, runs, gradients, state)
-    if allocator is None:
-        return v
-    reserved = predict_reserved(
-        rank,
-        kernel_kind=plan.kernel_kind,
-        config=allocator,
-        capacity_bytes=capacity_bytes,
+    return with_reserved(
+        v, rank, plan, allocator=allocator, capacity_bytes=capacity_bytes, reserved_budget_bytes=reserved_budget_bytes
     )
-    return replace(v, reserved=reserved, reserved_budget_bytes=reserved_budget_bytes)
 
 
 def plan_for_instance(plan: Plan, model: nn.Module) -> Plan:
@@ -253,11 +255,13 @@ def plan_for_instance(plan: Plan, model: nn.Module) -> Plan:
 
 class InfeasibleReserved(InfeasibleBudget):
     """No allocated budget tried gets the predicted reserved peak within the budget. ``best`` is the plan with
-    the lowest predicted reserved peak reached, ``best_reserved_bytes`` that peak."""
+    the lowest predicted reserved peak reached, ``best_reserved_bytes`` that peak, ``fit`` how it was reached
+    (the allocated budget solved for, the rounds tried, the allocator model's prediction)."""
 
-    def __init__(self, message: str, *, budget_bytes: int, floor_bytes: int, best: Plan, best_reserved_bytes: int):
+    def __init__(self, message: str, *, budget_bytes: int, floor_bytes: int, best: Plan, fit: ReservedFit):
         super().__init__(message, budget_bytes=budget_bytes, floor_bytes=floor_bytes, best=best)
-        self.best_reserved_bytes = best_reserved_bytes
+        self.fit = fit
+        self.best_reserved_bytes = fit.max_reserved_bytes
 
 
 def solve_reserved(
@@ -270,13 +274,19 @@ def solve_reserved(
     solver: SolverName = "auto",
     time_limit_s: float = 20.0,
     max_rounds: int = _MAX_RESERVED_ROUNDS,
+    rank_planner: RankPlanner | None = None,
 ) -> tuple[Plan, ReservedFit]:
     """The cheapest plan found whose predicted reserved peak (the allocator model replaying the plan's ledger)
     is within ``budget_bytes``, by lowering the allocated budget by each round's excess.
 
+    Reserved memory grows in whole segments (2 MiB, 20 MiB), so a small excess may take many rounds of lowering
+    to clear: when ``max_rounds`` run out, up to ``max_rounds`` more bisect the allocated budget between the
+    floor and the last one tried, keeping the highest that fits (the floor plan itself is the last try).
+
     Arguments:
         config: the allocator's options (``PYTORCH_ALLOC_CONF``; default PyTorch's).
         capacity_bytes: the device's usable memory, for the allocator model's verdict (``None``: no limit).
+        rank_planner: with sharding, the :class:`RankPlanner` (made once for several budgets).
 
     Returns:
         The plan (its ``budget_bytes`` the reserved budget) and how it was fitted.
@@ -285,37 +295,140 @@ def solve_reserved(
         InfeasibleReserved: no allocated budget down to the floor brings reserved within the budget; it
             carries the plan with the lowest reserved peak reached.
     """
+    if rank_planner is None and not sharding.trivial:
+        rank_planner = RankPlanner.of(planner, sharding)
     config = config if config is not None else AllocatorConfig()
-    rank_planner = None if sharding.trivial else RankPlanner.of(planner, sharding)
+    rounds = _ReservedRounds(
+        planner, budget_bytes, sharding, config, capacity_bytes, solver, time_limit_s, rank_planner
+    )
     target = budget_bytes
-    best: tuple[Plan, ReservedPrediction] | None = None
-    for num_rounds in range(1, max_rounds + 1):
-        try:
-            p = solve_per_rank(
-                planner, target, sharding, solver=solver, time_limit_s=time_limit_s, rank_planner=rank_planner
-            )
-            at_floor = False
-        except InfeasibleBudget as exc:  # the allocated budget fell below the floor: the floor plan is the last try
-            p, at_floor = exc.best, True
-        prediction = reserved_of(p, config=config, capacity_bytes=capacity_bytes)
-        if best is None or prediction.max_reserved_bytes < best[1].max_reserved_bytes:
-            best = (p, prediction)
-        over = prediction.max_reserved_bytes - budget_bytes
+    tried: list[tuple[Plan, ReservedFit]] = []
+    for _ in range(max_rounds):
+        p, fit, at_floor = rounds.attempt(target, tried)
+        over = fit.max_reserved_bytes - budget_bytes
         if over <= 0:
-            fit = ReservedFit(budget_bytes, target, num_rounds, prediction)
             return replace(p, budget_bytes=budget_bytes), fit
         if at_floor:
             break
         target = max(target - over, 1)
-    assert best is not None
-    plan, prediction = best
+    else:
+        found = _bisect_reserved(rounds, target, tried, max_rounds)
+        if found is not None:
+            return found
+    plan, fit = min(tried, key=lambda t: t[1].max_reserved_bytes)
     raise InfeasibleReserved(
         f"budget {_both(budget_bytes)} on reserved memory is not met: the lowest predicted reserved peak reached "
-        f"is {_both(prediction.max_reserved_bytes)} (allocated {_both(plan.predicted_peak_bytes or 0)}, "
-        f"{len(plan.regions)} regions recomputed, after {num_rounds} rounds of lowering the allocated budget); "
+        f"is {_both(fit.max_reserved_bytes)} (allocated {_both(plan.predicted_peak_bytes or 0)}, "
+        f"{len(plan.regions)} regions recomputed, after {len(tried)} rounds of lowering the allocated budget); "
         "raise the budget, shard more, or try --allocator expandable_segments:True",
         budget_bytes=budget_bytes,
         floor_bytes=plan.floor_bytes or 0,
-        best=plan,
-        best_reserved_bytes=prediction.max_reserved_bytes,
+        best=replace(plan, budget_bytes=budget_bytes),
+        fit=replace(fit, num_rounds=len(tried)),
     )
+
+
+@dataclass(frozen=True)
+class _ReservedRounds:
+    """One budget on reserved memory: each round solves for an allocated budget and replays the plan."""
+
+    planner: Planner
+    budget_bytes: int
+    sharding: Sharding
+    config: AllocatorConfig
+    capacity_bytes: int | None
+    solver: SolverName
+    time_limit_s: float
+    rank_planner: RankPlanner | None
+
+    @property
+    def floor_bytes(self) -> int:
+        """The lowest allocated peak any plan reaches (on the fullest rank when sharded)."""
+        return self.planner.floor_bytes if self.rank_planner is None else self.rank_planner.floor_rank_bytes
+
+    def attempt(self, target: int, tried: list[tuple[Plan, ReservedFit]]) -> tuple[Plan, ReservedFit, bool]:
+        """The plan for ``target`` allocated bytes (the floor plan below the floor: then ``True``) and its
+        predicted reserved peak, appended to ``tried``."""
+        try:
+            p = solve_per_rank(
+                self.planner,
+                target,
+                self.sharding,
+                solver=self.solver,
+                time_limit_s=self.time_limit_s,
+                rank_planner=self.rank_planner,
+            )
+            at_floor = False
+        except InfeasibleBudget as exc:  # the allocated budget fell below the floor: the floor plan is the last try
+            p, at_floor = exc.best, True
+        prediction = reserved_of(p, config=self.config, capacity_bytes=self.capacity_bytes)
+        fit = ReservedFit(self.budget_bytes, target, len(tried) + 1, prediction)
+        tried.append((p, fit))
+        return p, fit, at_floor
+
+
+def _bisect_reserved(
+    rounds: _ReservedRounds, high: int, tried: list[tuple[Plan, ReservedFit]], max_rounds: int
+) -> tuple[Plan, ReservedFit] | None:
+    """The plan of the highest allocated budget between the floor and ``high`` (which does not fit) whose
+    predicted reserved peak fits, by bisection in ``max_rounds`` rounds, the floor plan the last try; ``None``:
+    none fits."""
+    low = rounds.floor_bytes
+    found: tuple[Plan, ReservedFit] | None = None
+    for _ in range(max_rounds):
+        if high - low <= 1:
+            break
+        middle = (low + high) // 2
+        p, fit, _ = rounds.attempt(middle, tried)
+        if fit.max_reserved_bytes <= rounds.budget_bytes:
+            found, low = (p, fit), middle
+        else:
+            high = middle
+    if found is None:
+        p, fit, _ = rounds.attempt(rounds.floor_bytes, tried)
+        found = (p, fit) if fit.max_reserved_bytes <= rounds.budget_bytes else None
+    return None if found is None else (replace(found[0], budget_bytes=rounds.budget_bytes), found[1])
+
+
+def solve_budget(
+    planner: Planner,
+    budget_bytes: int,
+    sharding: Sharding,
+    *,
+    budget_on: BudgetOn = "allocated",
+    config: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
+    solver: SolverName = "auto",
+    time_limit_s: float = 20.0,
+    rank_planner: RankPlanner | None = None,
+) -> tuple[Plan, ReservedFit | None]:
+    """The plan for ``budget_bytes`` on allocated bytes (:func:`solve_per_rank`) or on the predicted reserved
+    peak (:func:`solve_reserved`, ``budget_on="reserved"``), with the allocator model's prediction for it when
+    the model is on (``config`` given, or a budget on reserved memory); ``None`` when it is off.
+
+    Example:
+        >>> from trainledger.allocator import AllocatorConfig
+        >>> from trainledger.examples import gpt_tiny
+        >>> planner = Planner.build(gpt_tiny(), cost="flops")
+        >>> p, fit = solve_budget(planner, 10_000_000, Sharding(), budget_on="reserved")
+        >>> fit.max_reserved_bytes <= 10_000_000 < p.plain_peak_bytes
+        True
+    """
+    one_of(budget_on, "budget_on", BUDGET_ON)
+    if budget_on == "reserved":
+        return solve_reserved(
+            planner,
+            budget_bytes,
+            sharding,
+            config=config,
+            capacity_bytes=capacity_bytes,
+            solver=solver,
+            time_limit_s=time_limit_s,
+            rank_planner=rank_planner,
+        )
+    p = solve_per_rank(
+        planner, budget_bytes, sharding, solver=solver, time_limit_s=time_limit_s, rank_planner=rank_planner
+    )
+    if config is None:
+        return p, None
+    return p, ReservedFit(None, None, 0, reserved_of(p, config=config, capacity_bytes=capacity_bytes))

@@ -20,8 +20,10 @@ from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
 from trainledger.remat._baselines import Baseline
 from trainledger.remat._candidates import COSTS, CostKind, replay
-from trainledger.remat._full import RankPlanner, Sharding, solve_per_rank
+from trainledger.remat._full import InfeasibleReserved, RankPlanner, Sharding, solve_per_rank, solve_reserved
+from trainledger.remat._plan import Plan
 from trainledger.remat._planner import Planner
+from trainledger.remat._reserved import BUDGET_ON, BudgetOn, ReservedFit, reserved_of
 from trainledger.remat._solvers import NoPlan, Solution, solve, solve_greedy, solve_milp, sqrt_n_choice
 from trainledger.remat._verify import verify as run_verify
 from trainledger.workload import Workload, require_workload
@@ -52,6 +54,8 @@ class Point:
     """The cost charged to the recomputed ops ``FlopCounterMode`` counts 0 (one FLOP per output element)."""
     reserved_peak_bytes: int | None = None
     """With the allocator model on: the plan's predicted ``max_memory_reserved`` (``None``: not predicted)."""
+    traced_reserved_peak_bytes: int | None = None
+    """With ``verify`` and the allocator model on: the re-traced ledger's predicted ``max_memory_reserved``."""
 
     def cost(self, kind: CostKind) -> float:
         """What the solver minimised: measured seconds, or FLOPs with the other ops' charge."""
@@ -70,6 +74,7 @@ class Point:
             "gradients_bitwise_equal": self.gradients_bitwise_equal,
             "extra_other_flops": self.extra_other_flops,
             "reserved_peak_bytes": self.reserved_peak_bytes,
+            "traced_reserved_peak_bytes": self.traced_reserved_peak_bytes,
         }
 
     @classmethod
@@ -82,9 +87,24 @@ class ParetoRow:
     """One budget of the sweep: our plan, the MILP optimum, the greedy knapsack (``None``: no plan)."""
 
     budget_bytes: int
+    """On allocated bytes, or on predicted reserved bytes (``ParetoResult.budget_on``)."""
     ours: Point | None
     milp: Point | None
     greedy: Point | None
+    reserved: ReservedFit | None = None
+    """With a budget on reserved memory: how our plan was fitted (the allocated budget solved for, the rounds,
+    the allocator model's prediction); where no round fits, those of the plan with the lowest reserved peak
+    reached, which ``ours`` then is (``fits`` is ``False``). ``None``: the budget is on allocated bytes."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether our plan meets the budget: its predicted reserved peak with a budget on reserved memory, else
+        its allocated peak."""
+        if self.ours is None:
+            return False
+        if self.reserved is not None:
+            return self.reserved.max_reserved_bytes <= self.budget_bytes
+        return self.ours.peak_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +112,8 @@ class ParetoRow:
             "ours": self.ours.to_dict() if self.ours else None,
             "milp": self.milp.to_dict() if self.milp else None,
             "greedy": self.greedy.to_dict() if self.greedy else None,
+            "fits": self.fits,
+            "reserved": self.reserved.to_dict() if self.reserved is not None else None,
         }
 
     @classmethod
@@ -99,7 +121,8 @@ class ParetoRow:
         def point(d: dict[str, Any] | None) -> Point | None:
             return Point.from_dict(d) if d is not None else None
 
-        return cls(int(data["budget_bytes"]), point(data["ours"]), point(data["milp"]), point(data["greedy"]))
+        fit = ReservedFit.from_dict(data["reserved"]) if data.get("reserved") else None
+        return cls(int(data["budget_bytes"]), point(data["ours"]), point(data["milp"]), point(data["greedy"]), fit)
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,13 @@ class ParetoResult:
     """Whose kernels the plain step was traced with (``cuda``: CUDA's, substituted on fake tensors)."""
     cuda_device: str | None = None
     """With ``cuda``: the card assumed."""
+    budget_on: BudgetOn = "allocated"
+    """What the rows' budgets are on: allocated bytes (from the plain peak down to the floor), or the allocator
+    model's predicted reserved bytes (from ``plain_reserved_bytes`` down to ``floor_reserved_bytes``)."""
+    plain_reserved_bytes: int | None = None
+    """With the allocator model on: the plain step's predicted reserved peak (``None``: the model was off)."""
+    floor_reserved_bytes: int | None = None
+    """With the allocator model on: the predicted reserved peak of the lowest-peak plan (``None``: off)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = self.plain.to_dict()
@@ -154,6 +184,9 @@ class ParetoResult:
                 ],
                 "kernel_kind": self.kernel_kind,
                 "cuda_device": self.cuda_device,
+                "budget_on": self.budget_on,
+                "plain_reserved_bytes": self.plain_reserved_bytes,
+                "floor_reserved_bytes": self.floor_reserved_bytes,
                 **self.extra,
             }
         )
@@ -182,18 +215,22 @@ class ParetoResult:
             ),
             kernel_kind=str(data.get("kernel_kind", "cpu")),  # sweeps saved before kernel kinds: cpu
             cuda_device=data.get("cuda_device"),
+            budget_on=data.get("budget_on", "allocated"),  # sweeps saved before budgets on reserved memory
+            plain_reserved_bytes=data.get("plain_reserved_bytes"),
+            floor_reserved_bytes=data.get("floor_reserved_bytes"),
         )
 
 
 _EXTRA_KEYS = ("torch_sac_ilp", "per_rank")
 
 
-def _point(planner: Planner, method: str, sol: Solution) -> Point:
+def _point(planner: Planner, method: str, sol: Solution, *, peak_bytes: int | None = None) -> Point:
+    """The point of a solution; its peak the linear model's unless ``peak_bytes`` (the fullest rank's) is given."""
     cs = planner.candidates
     chosen = [cs.candidates[j] for j in sol.choice]
     return Point(
         method,
-        planner.model.peak(sol.choice),
+        planner.model.peak(sol.choice) if peak_bytes is None else peak_bytes,
         sum(c.seconds for c in chosen),
         sum(c.flops for c in chosen),
         tuple(c.name for c in sorted(chosen, key=lambda c: c.fwd[0])),
@@ -223,6 +260,7 @@ def pareto(
     cuda_device: str | Device | None = None,
     allocator: AllocatorConfig | None = None,
     capacity_bytes: int | None = None,
+    budget_on: BudgetOn = "allocated",
 ) -> ParetoResult:
     """Sweep ``num_budgets`` budgets from the plain step's traced peak down to the floor.
 
@@ -233,6 +271,10 @@ def pareto(
         kernel_kind, cuda_device: as for :func:`trainledger.trace.trace` (``cuda``: on fake tensors, cost flops).
         allocator: replay each of our plans through the caching allocator's model: its predicted reserved
             peak (``Point.reserved_peak_bytes``), ``capacity_bytes`` the device's usable memory.
+        budget_on: ``"reserved"``: every budget is on the allocator model's predicted reserved peak (``allocator``,
+            default PyTorch's options), from the plain step's down to the lowest-peak plan's, each met as
+            :func:`~trainledger.remat.solve_reserved` meets it; a budget no round meets keeps its row, with the
+            plan of the lowest reserved peak reached and ``ParetoRow.fits`` false.
 
     Example:
         >>> from trainledger.examples import gpt_tiny
@@ -245,15 +287,87 @@ def pareto(
         num_budgets, "number of budgets", minimum=2, limit=MAX_BUDGETS, minimum_why="the plain peak and the floor"
     )
     one_of(cost, "cost", COSTS)
+    one_of(budget_on, "budget_on", BUDGET_ON)
     positive_number(time_limit_s, "time limit", unit="seconds")
     if (fake or kernel_kind == "cuda") and verify:
         raise InputError("pareto on fake tensors cannot verify each plan; verify one with plan --fake --verify")
     planner = Planner.build(workload, cost=cost, fake=fake, kernel_kind=kernel_kind, cuda_device=cuda_device)
-    result = _sweep(planner, workload, num_budgets, verify, time_limit_s, sharding)
-    result = replace(result, kernel_kind=planner.kernel_kind, cuda_device=planner.cuda_device)
-    if allocator is None:
+    sharding = sharding or Sharding()
+    if allocator is None and budget_on == "reserved":
+        allocator = AllocatorConfig()
+    sweep = None if allocator is None else _ReservedSweep.of(planner, sharding, allocator, capacity_bytes)
+    on_reserved = sweep if budget_on == "reserved" else None
+    if sharding.trivial:
+        result = _sweep(planner, workload, num_budgets, verify, time_limit_s, allocator, on_reserved)
+    else:
+        result = pareto_per_rank(
+            planner, sharding, num_budgets=num_budgets, time_limit_s=time_limit_s, reserved=on_reserved
+        )
+    result = replace(result, kernel_kind=planner.kernel_kind, cuda_device=planner.cuda_device, budget_on=budget_on)
+    if sweep is None:
         return result
-    return with_reserved(result, planner, sharding or Sharding(), allocator, capacity_bytes)
+    result = replace(result, plain_reserved_bytes=sweep.plain_bytes, floor_reserved_bytes=sweep.floor_bytes)
+    return result if on_reserved is not None else with_reserved(result, planner, sharding, allocator, capacity_bytes)
+
+
+@dataclass(frozen=True)
+class _ReservedSweep:
+    """What a sweep on reserved memory needs at every budget: the allocator model's options, the sharding, the
+    end points (the plain step's and the floor plan's predicted reserved peaks)."""
+
+    config: AllocatorConfig
+    capacity_bytes: int | None
+    sharding: Sharding
+    rank_planner: RankPlanner | None
+    """With sharding: made once for every budget."""
+    plain_bytes: int
+    floor_bytes: int
+
+    @classmethod
+    def of(
+        cls, planner: Planner, sharding: Sharding, config: AllocatorConfig, capacity_bytes: int | None
+    ) -> _ReservedSweep:
+        rp = None if sharding.trivial else RankPlanner.of(planner, sharding)
+        floor_allocated = planner.floor_bytes if rp is None else rp.floor_rank_bytes
+        floor = solve_per_rank(planner, floor_allocated, sharding, rank_planner=rp)
+        plain = predict_reserved(
+            sharding.rank_ledger(planner.plain),
+            kernel_kind=planner.kernel_kind,
+            config=config,
+            capacity_bytes=capacity_bytes,
+        )
+        floor_reserved = reserved_of(floor, config=config, capacity_bytes=capacity_bytes)
+        return cls(config, capacity_bytes, sharding, rp, plain.max_reserved_bytes, floor_reserved.max_reserved_bytes)
+
+    def budgets(self, num_budgets: int) -> list[int]:
+        return [int(x) for x in np.linspace(self.plain_bytes, self.floor_bytes, num_budgets).round()]
+
+    def row(self, planner: Planner, workload: Workload, budget: int, verify: bool, time_limit_s: float) -> ParetoRow:
+        """Our plan for ``budget`` on reserved memory, or the one closest to it where no round meets it."""
+        try:
+            plan, fit = solve_reserved(
+                planner,
+                budget,
+                self.sharding,
+                config=self.config,
+                capacity_bytes=self.capacity_bytes,
+                time_limit_s=time_limit_s,
+                rank_planner=self.rank_planner,
+            )
+        except InfeasibleReserved as exc:
+            plan, fit = exc.best, exc.fit
+        assert plan.predicted_peak_bytes is not None
+        choice = tuple(planner.candidates.index(r) for r in plan.regions)
+        sol = Solution(choice, plan.predicted_peak_bytes, planner.model.total_cost(choice), "ours", plan.optimal)
+        ours = replace(
+            _point(planner, "ours", replace(sol, gap=plan.gap), peak_bytes=plan.predicted_peak_bytes),
+            reserved_peak_bytes=fit.max_reserved_bytes,
+        )
+        if not self.sharding.trivial:
+            ours = replace(ours, extra_seconds=0.0)  # as pareto_per_rank: on fake tensors, nothing is timed
+        if verify:
+            ours = _verified(planner, workload, ours, plan, self.config, budget)
+        return ParetoRow(budget, ours, None, None, reserved=fit)
 
 
 def with_reserved(
@@ -281,25 +395,18 @@ def _sweep(
     num_budgets: int,
     verify: bool,
     time_limit_s: float,
-    sharding: Sharding | None,
+    allocator: AllocatorConfig | None = None,
+    reserved: _ReservedSweep | None = None,
 ) -> ParetoResult:
-    if sharding is not None and not sharding.trivial:
-        return pareto_per_rank(planner, sharding, num_budgets=num_budgets, time_limit_s=time_limit_s)
-    budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
-    rows = []
-    for b in (int(x) for x in budgets):
-        ours = _point(planner, "ours", _solve_auto(planner, b, time_limit_s))
-        try:
-            milp: Point | None = _point(planner, "milp", solve_milp(planner.model, b, time_limit_s=time_limit_s))
-        except NoPlan:
-            milp = None
-        try:
-            greedy: Point | None = _point(planner, "greedy", solve_greedy(planner.model, b))
-        except NoPlan:
-            greedy = None
-        if verify:
-            ours = _verified(planner, workload, ours, b)
-        rows.append(ParetoRow(b, ours, milp, greedy))
+    """The sweep of one process: on allocated bytes, or (``reserved``) on predicted reserved bytes, where the
+    MILP and greedy columns are left out (each budget is met in rounds of our solver)."""
+    if reserved is not None:
+        rows = [reserved.row(planner, workload, b, verify, time_limit_s) for b in reserved.budgets(num_budgets)]
+    else:
+        rows = [
+            _allocated_row(planner, workload, b, verify, time_limit_s, allocator)
+            for b in _budgets(planner, num_budgets)
+        ]
     blocks = planner.block_candidates()
     baselines = planner.baselines()
     at = tuple(
@@ -324,27 +431,67 @@ def _sweep(
     )
 
 
+def _budgets(planner: Planner, num_budgets: int) -> list[int]:
+    budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
+    return [int(x) for x in budgets]
+
+
+def _allocated_row(
+    planner: Planner, workload: Workload, b: int, verify: bool, time_limit_s: float, allocator: AllocatorConfig | None
+) -> ParetoRow:
+    """Our plan, the MILP optimum and the greedy knapsack for ``b`` allocated bytes."""
+    sol = _solve_auto(planner, b, time_limit_s)
+    ours = _point(planner, "ours", sol)
+    try:
+        milp: Point | None = _point(planner, "milp", solve_milp(planner.model, b, time_limit_s=time_limit_s))
+    except NoPlan:
+        milp = None
+    try:
+        greedy: Point | None = _point(planner, "greedy", solve_greedy(planner.model, b))
+    except NoPlan:
+        greedy = None
+    if verify:
+        ours = _verified(planner, workload, ours, planner.to_plan(sol, budget_bytes=b), allocator, None)
+    return ParetoRow(b, ours, milp, greedy)
+
+
 def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:
     return solve(planner.model, budget, solver="auto", time_limit_s=time_limit_s)
 
 
-def _verified(planner: Planner, workload: Workload, point: Point, budget: int) -> Point:
-    cs = planner.candidates
-    choice = tuple(j for j, c in enumerate(cs.candidates) if c.name in point.regions)
-    sol = Solution(choice, point.peak_bytes, planner.model.total_cost(choice), "ours", point.optimal)
-    plan = planner.to_plan(sol, budget_bytes=budget)
+def _verified(
+    planner: Planner,
+    workload: Workload,
+    point: Point,
+    plan: Plan,
+    allocator: AllocatorConfig | None,
+    reserved_budget_bytes: int | None,
+) -> Point:
+    """``point`` with what re-tracing its ``plan`` showed (and, with ``allocator``, the re-traced ledger's
+    predicted reserved peak)."""
     planner.restore()  # the same weights as the plain trace (tracing takes optimizer steps)
-    v = run_verify(workload, plan, timing=False)
-    return replace(point, traced_peak_bytes=v.traced_peak_bytes, gradients_bitwise_equal=v.gradients_bitwise_equal)
+    v = run_verify(workload, plan, timing=False, allocator=allocator, reserved_budget_bytes=reserved_budget_bytes)
+    return replace(
+        point,
+        traced_peak_bytes=v.traced_peak_bytes,
+        gradients_bitwise_equal=v.gradients_bitwise_equal,
+        traced_reserved_peak_bytes=v.reserved.max_reserved_bytes if v.reserved is not None else None,
+    )
 
 
 def pareto_per_rank(
-    planner: Planner, sharding: Sharding, *, num_budgets: int, time_limit_s: float = 20.0
+    planner: Planner,
+    sharding: Sharding,
+    *,
+    num_budgets: int,
+    time_limit_s: float = 20.0,
+    reserved: _ReservedSweep | None = None,
 ) -> ParetoResult:
     """The sweep of :func:`~trainledger.remat.pareto` with every peak that of the fullest rank: budgets from
     the plain step's peak per rank down to the floor per rank, and at each baseline's own peak (so that each
     baseline is compared with the plan the solver finds at the same budget). MILP and greedy columns are
-    left out (``None``): our plan there is the MILP's (``auto``)."""
+    left out (``None``): our plan there is the MILP's (``auto``). With ``reserved`` the rows' budgets are on
+    the fullest rank's predicted reserved bytes; our plans at the baselines' peaks stay on allocated bytes."""
     cs = planner.candidates
 
     def point(
@@ -360,18 +507,23 @@ def pareto_per_rank(
 
     blocks = tuple(planner.block_candidates())
     uniform, sqrt_n = fixed("uniform", blocks), fixed("sqrt-n", tuple(sqrt_n_choice(list(blocks))))
-    rank_planner = RankPlanner.of(planner, sharding)
+    rank_planner = reserved.rank_planner if reserved is not None else None
+    rank_planner = rank_planner or RankPlanner.of(planner, sharding)
     plain_rank, floor_rank = rank_planner.plain_rank_bytes, rank_planner.floor_rank_bytes
-    sweep = {int(x) for x in np.linspace(plain_rank, floor_rank, num_budgets).round()}
-    sweep |= {p.peak_bytes for p in (uniform, sqrt_n) if floor_rank <= p.peak_bytes <= plain_rank}
     baselines = planner.baselines(lambda ch: sharding.rank_ledger(replay(cs, ch)).peak().bytes, timed=False)
-    sweep |= {b.peak_bytes for b in baselines if b.peak_bytes is not None and floor_rank <= b.peak_bytes <= plain_rank}
-    rows = []
-    for b in sorted(sweep, reverse=True):
+    at_peaks = {
+        b.peak_bytes for b in baselines if b.peak_bytes is not None and floor_rank <= b.peak_bytes <= plain_rank
+    }
+    sweep = {int(x) for x in np.linspace(plain_rank, floor_rank, num_budgets).round()}
+    sweep |= {p.peak_bytes for p in (uniform, sqrt_n) if floor_rank <= p.peak_bytes <= plain_rank} | at_peaks
+    ours: dict[int, Point | None] = {}
+    for b in sorted(sweep if reserved is None else at_peaks, reverse=True):
         p = solve_per_rank(planner, b, sharding, time_limit_s=time_limit_s, rank_planner=rank_planner)
-        choice = tuple(cs.index(r) for r in p.regions)
-        rows.append(ParetoRow(b, point("ours", choice, p.predicted_peak_bytes or 0, p.optimal, p.gap), None, None))
-    ours = {r.budget_bytes: r.ours for r in rows}
+        ours[b] = point("ours", tuple(cs.index(r) for r in p.regions), p.predicted_peak_bytes or 0, p.optimal, p.gap)
+    if reserved is None:
+        rows = [ParetoRow(b, o, None, None) for b, o in ours.items()]
+    else:
+        rows = [reserved.row(planner, planner.workload, b, False, time_limit_s) for b in reserved.budgets(num_budgets)]
     return ParetoResult(
         model=planner.workload.name,
         plain=sharding.rank_ledger(planner.plain).summary(),  # the fullest rank's plain step

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainledger.checks import one_of, positive_number
 from trainledger.devices import Device, KernelKind, lookup
@@ -22,19 +22,16 @@ from trainledger.remat._candidates import (
     CandidateCost,
     Candidates,
     CostKind,
-    candidate_costs,
     find_candidates,
     linear_model,
     regions_of,
     replay,
 )
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
+from trainledger.remat._reserved import ReservedFit
 from trainledger.remat._solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
 from trainledger.remat._verify import Verification
 from trainledger.trace import ForwardRecord, record_forward
-
-if TYPE_CHECKING:
-    from trainledger.remat._reserved import ReservedFit
 from trainledger.units import format_bytes
 from trainledger.workload import Workload, require_workload
 
@@ -344,8 +341,6 @@ class PlanResult:
 
         With a verification the top level is the re-traced step and the prediction is under ``predicted``.
         """
-        from trainledger.remat._reserved import ReservedFit
-
         predicted = data.get("predicted", data)
         verification = None
         if "verification" in data:
@@ -365,33 +360,6 @@ class PlanResult:
 
 # The top-level keys a verified plan's JSON takes from the re-traced step (the prediction is beside it).
 _TOP_LEVEL = ("evidence", "device", "peak", "category_maxima", "sum_of_category_maxima")
-
-
-def plan_and_verify(
-    workload: Workload,
-    budget: Budget | str | int,
-    *,
-    solver: SolverName = "auto",
-    cost: CostKind = "seconds",
-    verify: bool = False,
-    time_limit_s: float = 20.0,
-) -> PlanResult:
-    """:func:`plan`, then (``verify=True``) apply it, trace the step again, compare gradients and time it."""
-    budget = check_plan_arguments(
-        workload, budget, solver=solver, cost=cost, time_limit_s=time_limit_s, caller="plan_and_verify"
-    )
-    planner = Planner.build(workload, cost=cost)
-    p = planner.solve(budget, solver=solver, time_limit_s=time_limit_s)
-    verification = None
-    if verify:
-        from trainledger.remat._verify import verify as run_verify
-
-        planner.restore()  # re-trace from the state the plain step was traced from
-        verification = run_verify(workload, p)
-    costs = candidate_costs(planner.candidates, planner.model)
-    predicted = p.predicted.summary() if p.predicted is not None else None
-    by_evidence = peak_by_evidence(p.predicted) if p.predicted is not None else None
-    return PlanResult(p, costs, planner.state_floor_bytes, verification, predicted, by_evidence, planner.baselines())
 
 
 def peak_by_evidence(ledger: Ledger) -> dict[str, int]:

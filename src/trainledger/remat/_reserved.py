@@ -11,7 +11,10 @@ solver in :mod:`trainledger.remat._full`):
    on the fullest rank when sharded, and replay that ledger through the allocator model
    (:func:`trainledger.allocator.predict_reserved`);
 3. if the predicted reserved peak exceeds the budget, lower the allocated budget by the excess and solve
-   again, a few rounds at most.
+   again, a few rounds at most; then bisect the allocated budget between the floor and the last one tried.
+
+It works alike on a real model's trace (CPU kernels, replayed as if they were CUDA allocations) and on a
+fake one: the plan's predicted ledger is a replay of the plain traced step either way.
 
 Every reserved figure is the allocator model's prediction (evidence ``analytic``): nothing ran on a GPU.
 """
@@ -19,10 +22,14 @@ Every reserved figure is the allocator model's prediction (evidence ``analytic``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.remat._plan import Plan
+
+BudgetOn = Literal["allocated", "reserved"]
+"""What a budget is a budget on: the peak of allocated bytes, or the allocator model's predicted reserved peak."""
+BUDGET_ON: tuple[BudgetOn, ...] = ("allocated", "reserved")
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,13 @@ class ReservedFit:
         return self.prediction.max_reserved_bytes
 
     @property
-    def budget_on(self) -> str:
+    def budget_on(self) -> BudgetOn:
         return "allocated" if self.budget_bytes is None else "reserved"
+
+    @property
+    def within_budget(self) -> bool | None:
+        """Whether the predicted reserved peak meets the budget on reserved memory (``None``: none was set)."""
+        return None if self.budget_bytes is None else self.max_reserved_bytes <= self.budget_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -15,12 +15,12 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from trainledger.allocator import ReservedPrediction
+from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan
 from trainledger.workload import Workload, call_model, compute_loss, run_step
@@ -248,7 +248,16 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
     return statistics.median(plain), statistics.median(planned)
 
 
-def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = True) -> Verification:
+def verify(
+    workload: Workload,
+    plan: Plan,
+    *,
+    repeats: int = 7,
+    timing: bool = True,
+    allocator: AllocatorConfig | None = None,
+    capacity_bytes: int | None = None,
+    reserved_budget_bytes: int | None = None,
+) -> Verification:
     """Apply ``plan`` to ``workload.model``, trace the step, compare gradients and time; then remove it.
 
     The step is traced from the workload's current state; where shapes depend on the weights (an MoE's
@@ -257,6 +266,8 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
     Arguments:
         repeats: untraced steps timed with and without the plan (interleaved).
         timing: ``False`` skips the timing (both times are then ``None``).
+        allocator, capacity_bytes, reserved_budget_bytes: also replay the re-traced ledger through the
+            allocator model (see :func:`with_reserved`).
     """
     from trainledger.trace import trace
 
@@ -269,7 +280,7 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
         runs = plan.runs(workload.model)
     finally:
         plan.remove(workload.model)
-    return verification_of(
+    v = verification_of(
         plan,
         traced,
         runs,
@@ -277,6 +288,27 @@ def verify(workload: Workload, plan: Plan, *, repeats: int = 7, timing: bool = T
         (state_equal, num_state, state_mismatched),
         (plain_s, planned_s),
     )
+    return with_reserved(
+        v, traced, plan, allocator=allocator, capacity_bytes=capacity_bytes, reserved_budget_bytes=reserved_budget_bytes
+    )
+
+
+def with_reserved(
+    v: Verification,
+    traced: Ledger,
+    plan: Plan,
+    *,
+    allocator: AllocatorConfig | None,
+    capacity_bytes: int | None = None,
+    reserved_budget_bytes: int | None = None,
+) -> Verification:
+    """``v`` with the allocator model's prediction for the re-traced ledger ``traced`` (the fullest rank's when
+    sharded), judged against ``capacity_bytes`` and, with ``reserved_budget_bytes``, a budget on reserved memory;
+    ``v`` itself when ``allocator`` is ``None`` (the model is off)."""
+    if allocator is None:
+        return v
+    reserved = predict_reserved(traced, kernel_kind=plan.kernel_kind, config=allocator, capacity_bytes=capacity_bytes)
+    return replace(v, reserved=reserved, reserved_budget_bytes=reserved_budget_bytes)
 
 
 Compared = tuple[bool, int, tuple[str, ...]]

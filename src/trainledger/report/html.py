@@ -486,9 +486,12 @@ def _pareto(data: dict[str, Any], result: Any) -> None:
     def points(pts: Iterable[Any]) -> list[dict[str, Any]]:
         return [p.to_dict() for p in pts if p is not None]
 
+    on = "predicted reserved bytes" if result.budget_on == "reserved" else "allocated bytes"
+    data["facts"].append(f"every budget of the sweep is on {on}")
     data["pareto"] = {
         "title": "peak against extra compute in backward",
         "cost": result.cost,
+        "budget_on": result.budget_on,
         "plain_peak_bytes": result.plain_peak_bytes,
         "floor_bytes": result.floor_bytes,
         "series": [
@@ -500,8 +503,9 @@ def _pareto(data: dict[str, Any], result: Any) -> None:
             *_baseline_series(result.baselines),
         ],
     }
-    columns = [("budget", "bytes"), ("ours: peak", "bytes"), ("ours: extra ms", "float")]
-    columns += [("ours: extra FLOPs", "int"), ("MILP ms", "float"), ("greedy ms", "float"), ("recomputed", "text")]
+    columns = [(f"budget on {on}", "bytes"), ("fits", "text"), ("ours: peak", "bytes"), ("ours: reserved", "bytes")]
+    columns += [("ours: extra ms", "float"), ("ours: extra FLOPs", "int"), ("MILP ms", "float"), ("greedy ms", "float")]
+    columns += [("recomputed", "text")]
 
     def ms(p: Any) -> float | None:
         return p.extra_seconds * 1e3 if p is not None else None
@@ -509,7 +513,9 @@ def _pareto(data: dict[str, Any], result: Any) -> None:
     rows = [
         (
             r.budget_bytes,
+            "yes" if r.fits else "NO",
             r.ours.peak_bytes if r.ours else None,
+            r.ours.reserved_peak_bytes if r.ours else None,
             ms(r.ours),
             r.ours.extra_flops if r.ours else None,
             ms(r.milp),
@@ -518,7 +524,8 @@ def _pareto(data: dict[str, Any], result: Any) -> None:
         )
         for r in result.rows
     ]
-    data["tables"].append(_table("cheapest recomputation per budget (the plan's regions)", columns, rows))
+    title = f"cheapest recomputation per budget on {on} (the plan's regions)"
+    data["tables"].append(_table(title, columns, rows))
     if result.baselines:
         data["tables"].append(_pareto_baselines_table(result))
     data["notes"] = list(result.candidate_notes)

@@ -267,6 +267,10 @@ def plot_pareto(
     for label, pts in series.items():
         pts = sorted(pts, key=x)
         ax.plot([x(p) for p in pts], [p.peak_bytes / mib for p in pts], styles[label], label=label, alpha=0.85)
+    reserved = sorted((r.ours for r in result.rows if r.ours and r.ours.reserved_peak_bytes is not None), key=x)
+    if reserved:
+        label = "ours: predicted reserved (allocator model)"
+        ax.plot([x(p) for p in reserved], [(p.reserved_peak_bytes or 0) / mib for p in reserved], "o:", label=label)
     for p, marker in ((result.uniform, "D"), (result.sqrt_n, "^")):
         label = "uniform per-block" if p.method == "uniform" else "Chen √n"
         ax.plot([x(p)], [p.peak_bytes / mib], marker, markersize=9, label=label)
@@ -286,7 +290,10 @@ def plot_pareto(
     ax.axhline(result.floor_bytes / mib, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("extra compute in backward (" + ("ms, measured" if seconds else "GFLOP") + ")")
     ax.set_ylabel("predicted peak (MiB = 2^20 bytes)")
-    ax.set_title(f"{result.model}: peak vs recomputation (dashed: plain peak, dotted: floor)", fontsize=10)
+    on = "predicted reserved bytes" if result.budget_on == "reserved" else "allocated bytes"
+    ax.set_title(
+        f"{result.model}: peak vs recomputation, budgets on {on} (dashed: plain peak, dotted: floor)", fontsize=10
+    )
     ax.legend(fontsize=8)
     fig.savefig(out, format=out.suffix.lower().lstrip("."))
     return out
