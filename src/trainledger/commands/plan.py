@@ -361,9 +361,20 @@ def reserved_lines(result: PlanResult, device: Any) -> list[Any]:
         how = (
             f"budget on reserved memory: predicted reserved {fit.max_reserved_bytes:,} bytes, {within} the budget "
             f"{fit.budget_bytes:,}; solved for an allocated budget of {fit.allocated_budget_bytes:,} bytes after "
-            f"{fit.num_rounds} round{'s' if fit.num_rounds != 1 else ''} (each lowers it by the reserved excess)"
+            f"{fit.num_rounds} round{'s' if fit.num_rounds != 1 else ''} ({_how_rounds(fit.num_rounds)})"
         )
     return [Text(how), reserved_text(fit.prediction, device)]
+
+
+def _how_rounds(num_rounds: int) -> str:
+    from trainledger.remat import RESERVED_LOWERING_ROUNDS as lowering
+
+    if num_rounds <= lowering:
+        return "each lowers it by the reserved excess"
+    return (
+        f"the first {lowering} lower it by the reserved excess, the other {num_rounds - lowering} "
+        "bisect it between the floor and the last budget tried"
+    )
 
 
 def render(result: PlanResult, console: Console, *, saved: str | None = None) -> None:

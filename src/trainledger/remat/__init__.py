@@ -32,6 +32,7 @@ from trainledger.remat._candidates import (
     replay,
 )
 from trainledger.remat._full import (
+    RESERVED_LOWERING_ROUNDS,
     InfeasibleReserved,
     RankPlanner,
     Sharding,
@@ -78,6 +79,7 @@ __all__ = [
     "OP_POLICIES",
     "OTHER_OP_FLOPS_PER_ELEMENT",
     "POLICIES",
+    "RESERVED_LOWERING_ROUNDS",
     "SOLVERS",
     "Budget",
     "BudgetOn",

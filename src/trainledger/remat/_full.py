@@ -45,8 +45,9 @@ from trainledger.workload import Workload
 
 _MAX_ROUNDS = 8
 """Rounds of lowering the unsharded budget by the sharded overshoot (two suffice on the models seen)."""
-_MAX_RESERVED_ROUNDS = 6
-"""Rounds of lowering the allocated budget by the reserved excess (one or two suffice on the models seen)."""
+RESERVED_LOWERING_ROUNDS = 6
+"""Rounds of lowering the allocated budget by the reserved excess (one or two suffice on the models seen), before
+as many more bisect it."""
 _BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -273,7 +274,7 @@ def solve_reserved(
     capacity_bytes: int | None = None,
     solver: SolverName = "auto",
     time_limit_s: float = 20.0,
-    max_rounds: int = _MAX_RESERVED_ROUNDS,
+    max_rounds: int = RESERVED_LOWERING_ROUNDS,
     rank_planner: RankPlanner | None = None,
 ) -> tuple[Plan, ReservedFit]:
     """The cheapest plan found whose predicted reserved peak (the allocator model replaying the plan's ledger)
