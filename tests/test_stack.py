@@ -143,8 +143,9 @@ class Recomputed(nn.Module):
     """An embedding, ``depth`` pre-norm residual MLP blocks each run through ``torch.utils.checkpoint``
     (non-reentrant, the generator's state kept: dropout draws the same mask when the block recomputes), a head."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, *, reentrant: bool = False) -> None:
         super().__init__()
+        self.reentrant = reentrant
         self.inp = nn.Embedding(50, 16)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Dropout(0.1))
@@ -157,13 +158,13 @@ class Recomputed(nn.Module):
 
         x = self.inp(ids)  # (B, T, 16)
         for block in self.blocks:
-            x = x + checkpoint(block, x, use_reentrant=False)
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(x).logsumexp(-1).mean()
 
 
-def recomputed(depth: int) -> Workload:
+def recomputed(depth: int, *, reentrant: bool = False) -> Workload:
     torch.manual_seed(0)
-    return Workload(Recomputed(depth), torch.randint(0, 50, (2, 8)), name="recomputed")
+    return Workload(Recomputed(depth, reentrant=reentrant), torch.randint(0, 50, (2, 8)), name="recomputed")
 
 
 def test_a_checkpointed_stack_is_extended_not_traced_whole():
@@ -176,6 +177,14 @@ def test_a_checkpointed_stack_is_extended_not_traced_whole():
     assert len(starts) == 5
     inputs = [e for e in led.entries if e.last_use_event is not None and e.last_use_event + 1 in starts]
     assert len(inputs) == 5  # each block's input: last used just before that block's backward run
+
+
+def test_a_reentrant_checkpoint_is_traced_whole_and_the_note_says_why():
+    """A reentrant checkpoint recomputes and runs its block's backward inside its own autograd node, which
+    belongs to no block: its events split the block runs, and the note names the first and the way out."""
+    led = trace_stacked(lambda d: recomputed(d, reentrant=True), 5, kernel_workspace=False)
+    assert led.meta["blocks"] == {"total": 5, "traced": [5], "extended": False}
+    assert "events outside every block (event " in led.notes[0] and "use_reentrant=False" in led.notes[0]
 
 
 @pytest.mark.slow

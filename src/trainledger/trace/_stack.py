@@ -175,15 +175,23 @@ class _Layout:
         first = runs[i]
         assert first[0] is not None
         phase, blocks, events = first[0][0], [], []  # type: ignore[var-annotated]
+        outside = -1  # the first event of the last events outside every block joined to a block's run
         while len(blocks) < self.d and i < len(runs):
             key, run = runs[i]
             if key is None:
                 after = runs[i + 1][0] if i + 1 < len(runs) else None
                 if after is None or after[0] != phase:
                     break
-                events[-1] = events[-1] + run
+                events[-1], outside = events[-1] + run, run[0]
             elif key[0] != phase:
                 break
+            elif blocks and key[1] == blocks[-1]:
+                raise NotRepeating(
+                    f"events outside every block (event {outside}, {self.base_events[outside].op}) split the "
+                    f"{phase} run of block {key[1]}: autograd ran them for no block's node (a reentrant "
+                    "checkpoint's recomputation runs so; checkpoint with use_reentrant=False to have the stack "
+                    "extended)"
+                )
             else:
                 blocks.append(key[1])
                 events.append(list(run))
