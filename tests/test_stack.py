@@ -8,6 +8,7 @@ module call for module call, with the same notes and meta and the same peak.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +100,6 @@ def deep(depth: int, *, alternate: bool = False) -> Workload:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fake", [True, False])
-def test_a_residual_stack_extends_to_the_full_trace(fake: bool):
-    extended = trace_stacked(deep, 9, fake=fake)
-    full = trace(deep(9), fake=fake)
-    assert_same_ledger(extended, full)
-
-
-@pytest.mark.slow
 def test_blocks_that_differ_fall_back_to_the_full_trace():
     led = trace_stacked(lambda d: deep(d, alternate=True), 7)
     full = trace(deep(7, alternate=True), fake=True)
@@ -146,6 +139,62 @@ def test_a_shallow_model_is_traced_whole():
     assert "no deeper than the traces" in led.notes[0]
 
 
+class Recomputed(nn.Module):
+    """An embedding, ``depth`` pre-norm residual MLP blocks each run through ``torch.utils.checkpoint``
+    (non-reentrant, the generator's state kept: dropout draws the same mask when the block recomputes), a head."""
+
+    def __init__(self, depth: int, *, reentrant: bool = False) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Dropout(0.1))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(ids)  # (B, T, 16)
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x).logsumexp(-1).mean()
+
+
+def recomputed(depth: int, *, reentrant: bool = False) -> Workload:
+    torch.manual_seed(0)
+    return Workload(Recomputed(depth, reentrant=reentrant), torch.randint(0, 50, (2, 8)), name="recomputed")
+
+
+def test_a_checkpointed_stack_is_extended_not_traced_whole():
+    """Each block's recomputation starts by unpacking the input its checkpoint kept; the unpack is stamped
+    with the event before it, the last of the run before (the block above's backward, or the head's for the
+    last block), and extended it must stay there: before, the model was traced whole."""
+    led = trace_stacked(recomputed, 5, kernel_workspace=False)
+    assert led.meta["blocks"] == {"total": 5, "traced": [3, 4], "extended": True}, led.notes[0]
+    starts = {c.backward_start: c.path for c in led.calls if re.fullmatch(r"blocks\.\d+", c.path)}
+    assert len(starts) == 5
+    inputs = [e for e in led.entries if e.last_use_event is not None and e.last_use_event + 1 in starts]
+    assert len(inputs) == 5  # each block's input: last used just before that block's backward run
+
+
+def test_a_reentrant_checkpoint_is_traced_whole_and_the_note_says_why():
+    """A reentrant checkpoint recomputes and runs its block's backward inside its own autograd node, which
+    belongs to no block: its events split the block runs, and the note names the first and the way out."""
+    led = trace_stacked(lambda d: recomputed(d, reentrant=True), 5, kernel_workspace=False)
+    assert led.meta["blocks"] == {"total": 5, "traced": [5], "extended": False}
+    assert "events outside every block (event " in led.notes[0] and "use_reentrant=False" in led.notes[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fake", [True, False])
+@pytest.mark.parametrize("model", ["residual", "checkpointed"])
+def test_a_stack_extends_to_the_full_trace(model: str, fake: bool):
+    build, depth = {"residual": (deep, 9), "checkpointed": (recomputed, 7)}[model]
+    assert_same_ledger(trace_stacked(build, depth, fake=fake), trace(build(depth), fake=fake))
+
+
 @pytest.mark.parametrize(("num_blocks", "depths"), [(0, (3, 4)), (True, (3, 4)), (9, (2, 3)), (9, (4,)), (9, (4, 3))])
 def test_bad_depths_are_refused(num_blocks: Any, depths: tuple[int, ...]):
     from trainledger.errors import InputError
@@ -169,12 +218,12 @@ def test_a_kernel_call_is_sized_by_what_it_returns_too():
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "gpt-neox", "phi", "mixtral"]
 
 
-def hf_builder(family: str) -> Any:
+def hf_builder(family: str, **step: Any) -> Any:
     from trainledger.hf import workload_from_hf_config
 
     cfg = json.loads((HF / f"{family}-small.json").read_text())
     key = "n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"
-    return lambda depth: workload_from_hf_config({**cfg, key: depth}, micro_batch=1, seq_len=16, fake=True)
+    return lambda depth: workload_from_hf_config({**cfg, key: depth}, micro_batch=1, seq_len=16, fake=True, **step)
 
 
 @pytest.mark.slow
@@ -182,6 +231,16 @@ def hf_builder(family: str) -> Any:
 def test_hf_family_extends_to_the_full_fake_trace(family: str):
     pytest.importorskip("transformers")
     build = hf_builder(family)
+    assert_same_ledger(trace_stacked(build, 7), trace(build(7), fake=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_family_with_gradient_checkpointing_extends_to_the_full_fake_trace(family: str):
+    """transformers' own checkpointing of every decoder layer (``remat="full"``): before, GPT-2 and Phi were
+    traced whole (the input of each layer but the last last used in the head's backward)."""
+    pytest.importorskip("transformers")
+    build = hf_builder(family, remat="full")
     assert_same_ledger(trace_stacked(build, 7), trace(build(7), fake=True))
 
 

@@ -10,9 +10,11 @@ and the last block keep their own events (they border the embedding and the head
 repeated for blocks ``d-2 .. n-2``. Every name that carries a block's index (module paths, parameter
 names, optimizer slots) is renumbered; every name that carries an event (``aten.mm#812``) is shifted
 with it; every lifetime keeps its place relative to its own block (an output freed in the next block's
-forward is freed in the next block's forward at every depth). Nothing is assumed without a check: a
-ledger whose events are not sweeps of whole blocks raises :class:`NotRepeating`, and the caller checks
-the extension against a trace at another depth (:func:`first_difference`) before it trusts it.
+forward is freed in the next block's forward at every depth; the input a checkpointed block keeps, last
+unpacked as its recomputation starts, is last used just before that block's backward at every depth).
+Nothing is assumed without a check: a ledger whose events are not sweeps of whole blocks raises
+:class:`NotRepeating`, and the caller checks the extension against a trace at another depth
+(:func:`first_difference`) before it trusts it.
 
 Pure data: no torch, so a 126-block ledger is synthesized in well under a second.
 """
@@ -190,15 +192,23 @@ class _Layout:
         first = runs[i]
         assert first[0] is not None
         phase, blocks, events = first[0][0], [], []  # type: ignore[var-annotated]
+        outside = -1  # the first event of the last events outside every block joined to a block's run
         while len(blocks) < self.d and i < len(runs):
             key, run = runs[i]
             if key is None:
                 after = runs[i + 1][0] if i + 1 < len(runs) else None
                 if after is None or after[0] != phase:
                     break
-                events[-1] = events[-1] + run
+                events[-1], outside = events[-1] + run, run[0]
             elif key[0] != phase:
                 break
+            elif blocks and key[1] == blocks[-1]:
+                raise NotRepeating(
+                    f"events outside every block (event {outside}, {self.base_events[outside].op}) split the "
+                    f"{phase} run of block {key[1]}: autograd ran them for no block's node (a reentrant "
+                    "checkpoint's recomputation runs so; checkpoint with use_reentrant=False to have the stack "
+                    "extended)"
+                )
             else:
                 blocks.append(key[1])
                 events.append(list(run))
@@ -253,6 +263,20 @@ class _Layout:
         last = self.position(p - 1, home, anchor)
         assert last is not None
         return last + 1
+
+    def before(self, p: int | None, home: Home, anchor: int | None = None) -> int | None:
+        """The target of ``p`` for what happened between events ``p`` and ``p + 1`` and is stamped ``p`` (a
+        saved tensor's unpack: its last use is the event before it): one before the target of ``p + 1``.
+
+        An unpack belongs to the autograd node that runs next, so it moves with the event after it. Where that
+        node opens a block's backward run, ``p`` is the last event of another block's run or of a gap: a
+        checkpointed block's recomputation first unpacks the block's inputs, right after the block above
+        it (or the head, for the last block) has run its backward."""
+        if p is None:
+            return None
+        after = self.position(p + 1, home, anchor)
+        assert after is not None
+        return after - 1
 
     def _skeleton_block(self, place: _Place, anchor: int | None) -> int:
         """The target block in which the skeleton (the embedding, the head, the loss) reaches into a sweep:
@@ -324,7 +348,7 @@ def _entry(e: Entry, layout: _Layout, home: Home) -> Entry:
         evidence=e.evidence,
         shape=e.shape,
         aliases=tuple(map(rename, e.aliases)),
-        last_use_event=position(e.last_use_event),
+        last_use_event=layout.before(e.last_use_event, home, e.alloc_event),
         kernel=e.kernel,
     )
 
