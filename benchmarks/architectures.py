@@ -3,8 +3,9 @@
 Each row runs the CLI in a fresh process (imports, building the model under ``FakeTensorMode``, the
 warm-up and traced steps, the report) and reads that one child's resource usage from ``os.wait4``: wall
 time, CPU time (user + system) and peak resident memory (``ru_maxrss``, KiB on Linux). The traced peak and
-its phase come from the command's ``--json`` output. The seven analytic families are traced 3 and 4 layers
-deep and extended to their full depth; other architectures are traced whole.
+its phase come from the command's ``--json`` output. Architectures with one stack of blocks (the seven
+analytic families, BERT, RoBERTa, ViT, Qwen3, ...) are traced 3 and 4 layers deep and extended to their full
+depth; the others (T5's two stacks, a UNet, a CNN's stages) are traced whole.
 
 Run from the repository root (minutes per row on a small machine):
 
@@ -77,6 +78,7 @@ ROWS = (
     _hf("qwen2-7b", "causal LM", "--seq-len", "4096"),
     _hf("mistral-7b", "causal LM", "--seq-len", "4096"),
     _hf("llama-3-8b", "causal LM", "--seq-len", "4096"),
+    _hf("qwen3-8b", "causal LM", "--seq-len", "4096"),
     _hf("mixtral-8x7b", "causal LM, MoE (8 experts, top 2)", "--seq-len", "4096"),
     _hf("llama-3.1-70b", "causal LM", "--seq-len", "4096"),
     _hf("llama-3.1-405b", "causal LM", "--seq-len", "4096"),

@@ -131,6 +131,12 @@ def test_remote_code_is_refused_and_its_map_ignored_beside_a_known_type(tmp_path
             [],
             "cannot build Phi3ForCausalLM from this config: Padding_idx must be within num_embeddings",
         ),
+        # transformers' validators raise huggingface_hub's StrictDataclassError, not a ValueError (a traceback)
+        (
+            {"model_type": "gpt_neo", "num_layers": 7, "attention_types": [[["global", "local"], 1]]},
+            [],
+            "transformers rejects the gpt_neo config: Class validation error for validator 'validate_architecture'",
+        ),
         # CTC's loss reads its labels' values (their largest, their lengths): not on fake tensors
         ("wav2vec2-ctc", ["--seq-len", "32"], "data-dependent shapes"),
     ],

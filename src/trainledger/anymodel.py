@@ -37,7 +37,14 @@ from torch import nn
 from trainledger.analytic import Setup, load_config_file
 from trainledger.checks import instance_of
 from trainledger.errors import InputError
-from trainledger.hf import declare_unpacked, import_transformers, optimizer_factory, quiet_transformers
+from trainledger.hf import (
+    config_errors,
+    config_rejected,
+    declare_unpacked,
+    import_transformers,
+    optimizer_factory,
+    quiet_transformers,
+)
 from trainledger.trace import EmptyWeights
 from trainledger.workload import Workload
 
@@ -191,8 +198,8 @@ def _transformers_config(cfg: AnyConfig, attn_impl: str, image_size: int | None)
     with quiet_transformers():
         try:
             config = tf.AutoConfig.for_model(cfg.model_type, **kwargs)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise InputError(f"transformers rejects the {cfg.model_type} config: {exc}") from exc
+        except config_errors() as exc:
+            raise config_rejected(cfg.model_type, exc) from exc
     if image_size is not None and getattr(config, "vision_config", None) is not None:
         config.vision_config.image_size = image_size  # an image–text model's sizes live in its sub-configs
     config.use_cache = False  # a training step keeps no key/value cache

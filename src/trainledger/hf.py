@@ -75,6 +75,22 @@ def import_transformers() -> Any:
     return transformers
 
 
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What a config class raises for values it rejects: ``TypeError``, ``ValueError``, ``KeyError``, and, since
+    transformers validates configs as strict dataclasses, huggingface_hub's ``StrictDataclassError`` (a plain
+    ``Exception``: GPT-Neo's ``attention_types`` not matching ``num_layers`` escaped as a traceback)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub, before strict dataclasses
+        return (TypeError, ValueError, KeyError)
+    return (TypeError, ValueError, KeyError, StrictDataclassError)
+
+
+def config_rejected(model_type: str, exc: BaseException) -> InputError:
+    """One line for a config that transformers rejects (its validators' messages span lines)."""
+    return InputError(f"transformers rejects the {model_type} config: {' '.join(str(exc).split())}")
+
+
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """transformers warns about token ids outside a scaled-down vocabulary and the like: not our user's concern."""
@@ -125,8 +141,8 @@ def transformers_config(cfg: HFConfig, *, attn_impl: AttnImpl = "sdpa") -> Any:
     with quiet_transformers():
         try:
             config = tf.AutoConfig.for_model(cfg.spec.family, **kwargs)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise InputError(f"transformers rejects the {cfg.spec.family} config: {exc}") from exc
+        except config_errors() as exc:
+            raise config_rejected(cfg.spec.family, exc) from exc
     config._attn_implementation = attn_impl
     config.use_cache = False  # a training step keeps no key/value cache
     return config
