@@ -60,7 +60,7 @@ def run_row(arch: Arch) -> dict[str, Any]:
     except InputError as exc:
         return {"how": "refused", "why": str(exc)}
     if not led.meta["blocks"]["extended"]:
-        return {"how": "whole", "why": led.notes[0].partition("(not extended: ")[2].rstrip(")"), "s": seconds}
+        return {"how": "whole", "why": led.notes[0].partition("(not extended: ")[2].removesuffix(")"), "s": seconds}
     full = trace(build(depth.num_layers), fake=True)
     same = (led.events, led.entries, led.calls, led.peak()) == (full.events, full.entries, full.calls, full.peak())
     return {"how": "extended", "same": same, "s": seconds, "stack": led.notes[0].split("(")[1].split(")")[0]}

@@ -319,9 +319,20 @@ def depth_of(cfg: AnyConfig) -> Depth | None:
     return Depth(key, num_layers, uneven)
 
 
+_STAGE_KEYS = frozenset({"out_features", "out_indices", "stage_names"})
+"""A backbone's outputs, named by layer (``stage24``): only a ``...Backbone`` class reads them, and a config class
+fills them in by default (BEiT's, DINOv2's), so at another depth they name layers that are not there."""
+
+
 def at_depth(cfg: AnyConfig, depth: Depth, blocks: int) -> AnyConfig:
-    """``cfg`` with ``blocks`` layers (per-layer lists, all alike, cut to length); notes kept once."""
-    raw = {k: v[:blocks] if isinstance(v, list) and len(v) == depth.num_layers else v for k, v in cfg.raw.items()}
+    """``cfg`` with ``blocks`` layers (per-layer lists, all alike, cut to length; a classifier's unread backbone
+    outputs dropped); notes kept once."""
+    unread = _STAGE_KEYS if not cfg.class_name.endswith("Backbone") else frozenset()
+    raw = {
+        k: v[:blocks] if isinstance(v, list) and len(v) == depth.num_layers else v
+        for k, v in cfg.raw.items()
+        if k not in unread
+    }
     raw[depth.key] = blocks
     return replace(cfg, raw=raw)
 
