@@ -55,8 +55,9 @@ class Stack:
         object.__setattr__(self, "_pieces", {})  # text -> its pieces around the block indices it carries
 
     def encloses(self, path: str) -> bool:
-        """Whether the module at ``path`` holds the list: the model itself, or a module above the list."""
-        return path == ROOT_SCOPE or self.prefix.startswith(path + ".")
+        """Whether the module at ``path`` holds the blocks: the model itself, a module above the list, or the list
+        itself (an ``nn.Sequential`` is called, as timm's ViT calls its ``blocks``)."""
+        return path in (ROOT_SCOPE, self.prefix) or self.prefix.startswith(path + ".")
 
     def block_of(self, text: str) -> int | None:
         """The block index a name carries (the first one), or ``None``."""
@@ -373,7 +374,7 @@ def _calls(base: Ledger, layout: _Layout) -> list[ModuleCall]:
         b = layout.stack.block_of(c.path)
         if b is not None:
             return b
-        if layout.stack.encloses(c.path):  # the model, or the module holding the list (BERT's encoder, whose
+        if layout.stack.encloses(c.path):  # the model, a module holding the list (BERT's encoder, whose
             return None  # first op is block 0's): the skeleton, wherever its first event lies
         return layout.block_of_event(c.start)  # a module shared by the blocks, called inside one
 
