@@ -64,8 +64,23 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "decoder_layers": 2,
         },
     ),
+    # T5's block 0 computes the relative position bias every block adds: its gradient is summed from the last
+    # block down to block 0 (one event more in the blocks between), a lifetime from one end of the stack to the other
+    "t5": (
+        "t5",
+        "T5ForConditionalGeneration",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "d_kv": 16,
+            "d_ff": 128,
+            "num_heads": 4,
+            "feed_forward_proj": "gated-gelu",
+            "num_decoder_layers": 2,
+        },
+    ),
 }
-FAST = ("bert", "opt")
+FAST = ("bert", "opt", "t5")
 
 
 def _any_builder(name: str, num_layers: int) -> tuple[Any, Any]:
