@@ -3,9 +3,9 @@
 Each row runs the CLI in a fresh process (imports, building the model under ``FakeTensorMode``, the
 warm-up and traced steps, the report) and reads that one child's resource usage from ``os.wait4``: wall
 time, CPU time (user + system) and peak resident memory (``ru_maxrss``, KiB on Linux). The traced peak and
-its phase come from the command's ``--json`` output. Architectures with one stack of blocks (the seven
-analytic families, BERT, RoBERTa, ViT, Qwen3, ...) are traced 3 and 4 layers deep and extended to their full
-depth; the others (T5's two stacks, a UNet, a CNN's stages) are traced whole.
+its phase come from the command's ``--json`` output. Models with one stack of blocks (the seven analytic
+families, other transformers architectures with one stack, timm's ViT family) are traced 3 and 4 blocks deep and
+extended to their full depth; the others (ResNet, ConvNeXt, the UNet) are traced whole.
 
 Run from the repository root (minutes per row on a small machine):
 

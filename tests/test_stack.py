@@ -187,11 +187,46 @@ def test_a_reentrant_checkpoint_is_traced_whole_and_the_note_says_why():
     assert "events outside every block (event " in led.notes[0] and "use_reentrant=False" in led.notes[0]
 
 
+class _BiasedBlock(nn.Module):
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.table = nn.Parameter(torch.randn(16)) if first else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            bias = torch.tanh(self.table) * 2
+        assert bias is not None
+        return x + torch.tanh(self.fc(x)) + bias, bias
+
+
+class SharedBias(nn.Module):
+    """Residual blocks that all add a bias the first one computes, as T5's block 0 computes the relative position
+    bias every block adds: its gradient is summed from the last block down (the last block's starts the sum, each
+    block below adds one op more) and freed in block 0's backward, from one end of the stack to the other."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_BiasedBlock(i == 0) for i in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, bias = self.inp(x), None
+        for block in self.blocks:
+            x, bias = block(x, bias)
+        return x.pow(2).mean()
+
+
+def shared_bias(depth: int) -> Workload:
+    torch.manual_seed(0)
+    return Workload(SharedBias(depth), torch.randn(4, 8), name="shared-bias")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fake", [True, False])
-@pytest.mark.parametrize("model", ["residual", "checkpointed"])
+@pytest.mark.parametrize("model", ["residual", "checkpointed", "shared-bias"])
 def test_a_stack_extends_to_the_full_trace(model: str, fake: bool):
-    build, depth = {"residual": (deep, 9), "checkpointed": (recomputed, 7)}[model]
+    build, depth = {"residual": (deep, 9), "checkpointed": (recomputed, 7), "shared-bias": (shared_bias, 7)}[model]
     assert_same_ledger(trace_stacked(build, depth, fake=fake), trace(build(depth), fake=fake))
 
 

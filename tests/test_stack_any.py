@@ -29,6 +29,7 @@ def test_the_modules_above_the_list_are_the_skeleton():
     assert stack.encloses("(root)") and stack.encloses("bert") and stack.encloses("bert.encoder")
     assert not stack.encloses("bert.encoder.layer.1") and not stack.encloses("bert.embeddings")
     assert not stack.encloses("ber")
+    assert stack.encloses("bert.encoder.layer")  # the list itself, called where it is an nn.Sequential
 
 
 # --- any transformers architecture with one stack of blocks ------------------------------------------------
@@ -63,8 +64,23 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "decoder_layers": 2,
         },
     ),
+    # T5's block 0 computes the relative position bias every block adds: its gradient is summed from the last
+    # block down to block 0 (one event more in the blocks between), a lifetime from one end of the stack to the other
+    "t5": (
+        "t5",
+        "T5ForConditionalGeneration",
+        {
+            "vocab_size": 256,
+            "d_model": 64,
+            "d_kv": 16,
+            "d_ff": 128,
+            "num_heads": 4,
+            "feed_forward_proj": "gated-gelu",
+            "num_decoder_layers": 2,
+        },
+    ),
 }
-FAST = ("bert", "opt")
+FAST = ("bert", "opt", "t5")
 
 
 def _any_builder(name: str, num_layers: int) -> tuple[Any, Any]:
@@ -144,6 +160,61 @@ def test_blocks_unlike_past_the_traced_depths_are_traced_whole():
     assert guarded.entries == full.entries and guarded.peak() == full.peak()
 
 
+# --- timm: a model whose depth argument sets its one list of blocks -----------------------------------------
+
+VIT = "vit_tiny_patch16_224"
+
+
+def _timm() -> Any:
+    try:
+        import timm
+    except Exception:  # timm imports torchvision, whose wheel must match the installed torch
+        pytest.skip("timm (with a torchvision matching this torch) is not installed")
+    return timm
+
+
+def _timm_builder(name: str) -> tuple[Any, Any]:
+    """``build(d)`` of a timm classifier's step on 32-pixel images, on fake tensors, and ``skeleton(d)``."""
+    from trainledger.analytic import Setup
+    from trainledger.anymodel import timm_skeleton, workload_from_timm
+
+    setup = Setup(micro_batch=2, recipe="fp32")
+    return (
+        lambda d: workload_from_timm(name, setup, image_size=32, fake=True, depth=d),
+        lambda d: timm_skeleton(name, image_size=32, depth=d),
+    )
+
+
+def test_timm_vit_extends_to_the_full_fake_trace():
+    _timm()
+    from trainledger.anymodel import timm_depth
+
+    assert timm_depth(VIT, image_size=32) == 12  # model.blocks, as timm's depth=12 builds it
+    build, skeleton = _timm_builder(VIT)
+    assert_same_ledger(trace_stacked(build, 7, skeleton=skeleton), trace(build(7), fake=True))
+
+
+def test_timm_nets_without_one_depth_set_list_are_traced_whole():
+    _timm()
+    from trainledger.anymodel import timm_depth
+
+    assert timm_depth("resnet18") is None  # stages of their own depths; no depth argument
+    assert timm_depth("convnext_atto") is None  # the same, with depths=(2, 2, 6, 2)
+
+
+def test_timm_drop_path_schedules_are_refused_by_the_skeleton():
+    timm = _timm()
+    from trainledger.trace import EmptyWeights
+    from trainledger.trace._blocks import blocks_differ
+
+    def vit(depth: int) -> nn.Module:  # stochastic depth: each block's rate grows with its index
+        with EmptyWeights():
+            return timm.create_model(VIT, pretrained=False, img_size=32, depth=depth, drop_path_rate=0.1)
+
+    why = blocks_differ(vit(7), vit(3), 7, 3)
+    assert why is not None and why.startswith("its blocks differ: blocks.1 is not like the traced block 1")
+
+
 # --- the command ----------------------------------------------------------------------------------------
 
 
@@ -162,3 +233,22 @@ def test_cli_extends_bert_and_equals_the_full_depth(tmp_path: Path, cli_json):
     assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
     assert extended["num_params"] == full["num_params"]
     assert path.read_bytes() == before
+
+
+def test_cli_extends_a_timm_vit_and_equals_the_full_depth(cli_json):
+    _timm()
+    argv = ("trace", "--timm", VIT, "--fake", "--image-size", "32", "--micro-batch", "2", "--dtype", "fp32")
+    extended = cli_json(*argv)
+    assert extended["meta"]["blocks"] == {"total": 12, "traced": [3, 4], "extended": True}
+    assert extended["notes"][0].startswith("traced 3 of 12 blocks, extended: the block stack (inner.blocks)")
+    full = cli_json(*argv, "--full-depth")
+    assert "blocks" not in full["meta"]
+    assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
+    assert extended["num_params"] == full["num_params"]
+
+
+def test_cli_traces_a_timm_net_of_stages_whole(cli_json):
+    _timm()
+    out = cli_json("trace", "--timm", "resnet18", "--fake", "--image-size", "32", "--micro-batch", "2")
+    assert "blocks" not in out["meta"]  # as before: no stacked trace tried, no note of one
+    assert not [n for n in out["notes"] if n.startswith(("traced 3 of", "traced all"))]

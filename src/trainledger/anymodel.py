@@ -710,29 +710,90 @@ def workload_from_diffusers_config(
     return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
 
 
+def _timm_model(name: str, mode: Any, dtype: torch.dtype, seed: int, image_size: int | None, depth: int | None) -> Any:
+    """timm's ``name`` built under ``mode`` (see :func:`_building`), ``depth`` blocks deep where given (a
+    ``TypeError`` where the model takes no ``depth``)."""
+    timm = _extra("timm", "timm")
+    kwargs: dict[str, Any] = {} if depth is None else {"depth": depth}
+    sized = {**kwargs, "img_size": image_size} if image_size else kwargs
+    with _building(mode, dtype, seed):
+        try:
+            return timm.create_model(name, pretrained=False, **sized)
+        except TypeError:  # a convolutional net takes any size and has no img_size argument
+            if sized is kwargs:
+                raise
+            return timm.create_model(name, pretrained=False, **kwargs)
+
+
+def _check_timm_name(name: str) -> None:
+    timm = _extra("timm", "timm")
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise InputError(f"timm has no model {name!r}; list them with timm.list_models('pattern*')")
+
+
+def timm_skeleton(name: str, *, image_size: int | None = None, depth: int | None = None) -> nn.Module:
+    """timm's ``name`` with its weights on the meta device (:class:`EmptyWeights`: no memory, nothing run),
+    ``depth`` blocks deep where given."""
+    _check_timm_name(name)
+    return _timm_model(name, EmptyWeights(), torch.float32, 0, image_size, depth)
+
+
+def _module_lists(model: nn.Module) -> dict[str, int]:
+    return {p: len(m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)}
+
+
+def timm_depth(name: str, *, image_size: int | None = None) -> int | None:
+    """How many blocks timm's ``name`` stacks in its one list of blocks whose length its ``depth`` argument sets
+    (ViT, DeiT, BEiT, EVA: ``model.blocks``), or ``None`` for a model without one (a net of stages, such as
+    ResNet and ConvNeXt, that takes no ``depth``, or one whose ``depth`` changes several lists or none).
+
+    Found on skeletons (:func:`timm_skeleton`), not from names: the model as named, and built 3 blocks deep; one
+    module list, and only one, must change its length, to 3. Whether the blocks are alike is left to the stacked
+    trace's checks: a stochastic-depth schedule (``drop_path_rate`` above timm's default of 0 for the ViTs, which
+    the step keeps) gives every block its own rate, and the skeleton guard refuses it.
+
+    Example:
+        >>> timm_depth("vit_large_patch16_224")  # doctest: +SKIP
+        24
+    """
+    full = _module_lists(timm_skeleton(name, image_size=image_size))
+    try:
+        shallow = _module_lists(timm_skeleton(name, image_size=image_size, depth=3))
+    except TypeError:  # takes no depth
+        return None
+    grown = [p for p, n in shallow.items() if full.get(p) != n]
+    if len(grown) != 1 or shallow[grown[0]] != 3 or grown[0] not in full or len(full) != len(shallow):
+        return None
+    return full[grown[0]]
+
+
 def workload_from_timm(
-    name: str, setup: Setup, *, image_size: int | None = None, fake: bool = False, seed: int = 0
+    name: str,
+    setup: Setup,
+    *,
+    image_size: int | None = None,
+    fake: bool = False,
+    seed: int = 0,
+    depth: int | None = None,
 ) -> Workload:
     """One classification training step of a timm model by name, built without pretrained weights.
 
     The images are ``(B, 3, image_size, image_size)`` (default: the model's own input size), the labels
     class 0, the loss cross-entropy. With ``fake``, built for a fake trace (see :func:`build_fake`): ViT and
     ConvNeXt, whose drop-path schedules are read with ``.item()`` while they are built, get their weights on
-    ``meta``.
+    ``meta``. ``depth``: the model ``depth`` blocks deep (timm's own ``depth`` argument; see :func:`timm_depth`).
     """
-    timm = _extra("timm", "timm")
-    if not isinstance(name, str) or not timm.is_model(name):
-        raise InputError(f"timm has no model {name!r}; list them with timm.list_models('pattern*')")
+    _check_timm_name(name)
     _check_fake(fake)
     dtype = getattr(torch, setup.weight_dtype)
 
     def build(mode: Any) -> nn.Module:
-        with _building(mode, dtype, seed):
-            kwargs = {"img_size": image_size} if image_size else {}
-            try:
-                return timm.create_model(name, pretrained=False, **kwargs).train()
-            except TypeError:  # a convolutional net takes any size and has no img_size argument
-                return timm.create_model(name, pretrained=False).train()
+        try:
+            return _timm_model(name, mode, dtype, seed, image_size, depth).train()
+        except TypeError as exc:
+            if depth is None:
+                raise
+            raise InputError(f"timm's {name} takes no depth ({_one_line(exc)}); build it as named") from exc
 
     inner, made_in = build_fake(build) if fake else (build(None), None)
     side = image_size or inner.pretrained_cfg.get("input_size", (3, 224, 224))[-1]

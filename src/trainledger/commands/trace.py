@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--full-depth",
         action="store_true",
-        help="with --hf-config and --fake: trace every layer, not 3 and 4 layers extended to the full depth",
+        help="with --hf-config or --timm, and --fake: trace every layer, not 3 and 4 layers extended to the full depth",
     )
     p.add_argument(
         "--meta-device",
@@ -192,6 +192,16 @@ def _any_stack(args: argparse.Namespace) -> tuple[Any, Any] | None:
     return None if depth is None else (cfg, depth)
 
 
+def _timm_stack(args: argparse.Namespace) -> int | None:
+    """The number of blocks of a timm model whose ``depth`` sets its one list of blocks (ViT's ``blocks``), to trace
+    a few blocks deep; ``None``: traced whole (a net of stages, ResNet's, ConvNeXt's)."""
+    if not args.timm or args.model or args.hf_config or args.diffusers_config:
+        return None  # several sources: refused where the workload is built
+    from trainledger.anymodel import timm_depth
+
+    return timm_depth(args.timm, image_size=args.image_size)
+
+
 def _trace_any_stacked(args: argparse.Namespace, cfg: Any, depth: Any, **kwargs: Any) -> tuple[Any, int]:
     """:func:`trainledger.trace.trace_stacked` over ``cfg`` built at each depth (its notes printed once)."""
     from dataclasses import replace
@@ -233,15 +243,34 @@ def _shallow_refused(skeleton_at: Callable[[int], Any]) -> str | None:
     return None
 
 
-def _vision_workload(args: argparse.Namespace, given: dict[str, Any]) -> Workload:
-    """A timm classifier or a diffusers denoiser (``--seq-len``: the denoiser's conditioning tokens, default 77)."""
+def _trace_timm_stacked(args: argparse.Namespace, num_blocks: int, **kwargs: Any) -> tuple[Any, int]:
+    """:func:`trainledger.trace.trace_stacked` over the timm model built ``d`` blocks deep (its ``depth``)."""
+    from trainledger.anymodel import timm_skeleton
+    from trainledger.ledger import Category
+    from trainledger.trace import trace_stacked
+
+    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+
+    def build(blocks: int) -> Workload:
+        return _vision_workload(args, given, depth=None if blocks == num_blocks else blocks)
+
+    def skeleton_at(blocks: int) -> Any:
+        return timm_skeleton(args.timm, image_size=args.image_size, depth=None if blocks == num_blocks else blocks)
+
+    ledger = trace_stacked(build, num_blocks, fake=True, skeleton=skeleton_at, **kwargs)
+    return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
+
+
+def _vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int | None = None) -> Workload:
+    """A timm classifier (``depth`` blocks deep where given) or a diffusers denoiser (``--seq-len``: the
+    denoiser's conditioning tokens, default 77)."""
     from trainledger.anymodel import workload_from_diffusers_config, workload_from_timm
 
     step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
     check_lora_flags(step)
     setup = setup_from(step)
     if args.timm:
-        return workload_from_timm(args.timm, setup, image_size=args.image_size, fake=args.fake)
+        return workload_from_timm(args.timm, setup, image_size=args.image_size, fake=args.fake, depth=depth)
     return workload_from_diffusers_config(args.diffusers_config, setup, latent_size=args.image_size, fake=args.fake)
 
 
@@ -269,15 +298,21 @@ def run(args: argparse.Namespace) -> int:
             f"--meta-device {args.meta_device} applies to a model built on the meta device (--model "
             "file.py:factory); models from configs and names are built on fake tensors already: drop it"
         )
-    if args.full_depth and not (args.hf_config and args.fake):
-        raise InputError("--full-depth applies to a fake trace of a Hugging Face config: add --hf-config and --fake")
+    if args.full_depth and not ((args.hf_config or args.timm) and args.fake):
+        raise InputError(
+            "--full-depth applies to a fake trace of a Hugging Face config or a timm model: add --hf-config or "
+            "--timm, and --fake"
+        )
     at_full_size = args.hf_config and (args.fake or cuda) and not (args.full_depth or args.model)
     stacked = at_full_size and in_analytic_family(args)
     any_stack = _any_stack(args) if at_full_size and not stacked else None
-    workload = None if stacked or any_stack is not None else _trace_workload(args)
+    timm_blocks = _timm_stack(args) if args.fake and not args.full_depth else None
+    workload = None if stacked or any_stack is not None or timm_blocks is not None else _trace_workload(args)
     err = Console(stderr=True)
     with _progress(err, quiet=not err.is_terminal) as progress:
-        if any_stack is not None:
+        if timm_blocks is not None:
+            ledger, num_params = _trace_timm_stacked(args, timm_blocks, progress=progress, **kinds)
+        elif any_stack is not None:
             ledger, num_params = _trace_any_stacked(args, *any_stack, progress=progress, **kinds)
         elif workload is None:
             build_at = partial(_trace_workload, args)  # the same step, from the config at another depth

@@ -11,7 +11,11 @@ repeated for blocks ``d-2 .. n-2``. Every name that carries a block's index (mod
 names, optimizer slots) is renumbered; every name that carries an event (``aten.mm#812``) is shifted
 with it; every lifetime keeps its place relative to its own block (an output freed in the next block's
 forward is freed in the next block's forward at every depth; the input a checkpointed block keeps, last
-unpacked as its recomputation starts, is last used just before that block's backward at every depth).
+unpacked as its recomputation starts, is last used just before that block's backward at every depth), but one
+that reaches from one end of the stack to the other reaches the other end at every depth (T5's block 0 computes
+the position bias that every block adds; the gradient the last block starts is freed in block 0's backward).
+Where a lifetime reaches into a neighbouring block whose run is not op for op the run of the block repeated there
+(T5's last block has one op fewer: it starts that gradient's sum, the others add to it), the runs are aligned.
 Nothing is assumed without a check: a ledger whose events are not sweeps of whole blocks raises
 :class:`NotRepeating`, and the caller checks the extension against a trace at another depth
 (:func:`first_difference`) before it trusts it.
@@ -21,6 +25,7 @@ Pure data: no torch, so a 126-block ledger is synthesized in well under a second
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -55,8 +60,9 @@ class Stack:
         object.__setattr__(self, "_pieces", {})  # text -> its pieces around the block indices it carries
 
     def encloses(self, path: str) -> bool:
-        """Whether the module at ``path`` holds the list: the model itself, or a module above the list."""
-        return path == ROOT_SCOPE or self.prefix.startswith(path + ".")
+        """Whether the module at ``path`` holds the blocks: the model itself, a module above the list, or the list
+        itself (an ``nn.Sequential`` is called, as timm's ViT calls its ``blocks``)."""
+        return path in (ROOT_SCOPE, self.prefix) or self.prefix.startswith(path + ".")
 
     def block_of(self, text: str) -> int | None:
         """The block index a name carries (the first one), or ``None``."""
@@ -142,6 +148,8 @@ class _Layout:
         self.starts: dict[tuple[int, int | None], int] = {}
         self.lengths: dict[tuple[int, int | None], int] = {}
         self.sweeps: dict[int, tuple[bool, int]] = {}  # segment: (ascending, its first base event)
+        self.runs: dict[tuple[int, int], list[int]] = {}  # (sweep, base block): its base events
+        self._aligned: dict[tuple[int, int, int], dict[int, int]] = {}
         self.events: list[Event] = []
         for s, (block_runs, ascending) in enumerate(self._segments()):
             if ascending is None:
@@ -149,6 +157,7 @@ class _Layout:
                 continue
             self.sweeps[s] = (ascending, min(run[0] for run in block_runs))
             for b, run in enumerate(block_runs):
+                self.runs[(s, b)] = run
                 for o, p in enumerate(run):
                     self.places[p] = _Place(s, b, o)
             for t in range(depth) if ascending else reversed(range(depth)):
@@ -246,11 +255,42 @@ class _Layout:
             return self.starts[(place.segment, None)] + place.offset
         if home is None:
             t = self._skeleton_block(place, anchor)
+        elif {home[0], place.block} == {0, self.d - 1}:
+            t = 0 if place.block == 0 else self.n - 1  # from one end of the stack to the other, at every depth
         else:
             t = home[1] + place.block - home[0]
-        if not 0 <= t < self.n or place.offset >= self.lengths[(place.segment, t)]:
+        offset = self._counterpart(place, self.source(t)) if 0 <= t < self.n else None
+        if offset is None or offset >= self.lengths[(place.segment, t)]:
             raise NotRepeating(f"event {p} of block {place.block} has no counterpart in block {t}")
-        return self.starts[(place.segment, t)] + place.offset
+        return self.starts[(place.segment, t)] + offset
+
+    def _counterpart(self, place: _Place, block: int) -> int | None:
+        """The offset in base block ``block``'s run of the sweep of the event at ``place`` (in another block's run
+        of it, for a lifetime that reaches from its own block into the next or the one before), or ``None``.
+
+        The blocks' runs are alike but need not be equal: T5's last block is the first to reach the relative
+        position bias that block 0 computed in backward, so its gradient there starts the sum that the blocks
+        below it add to, one event more each. The runs are aligned by op and block-relative module."""
+        assert place.block is not None
+        if block == place.block:
+            return place.offset
+        key = (place.segment, place.block, block)
+        if key not in self._aligned:
+            self._aligned[key] = self._align(place.segment, place.block, block)
+        return self._aligned[key].get(place.offset)
+
+    def _align(self, segment: int, a: int, b: int) -> dict[int, int]:
+        """Offsets in block ``a``'s run of ``segment`` matched to offsets in block ``b``'s."""
+
+        def keys(block: int) -> list[tuple[str, str]]:
+            events = (self.base_events[p] for p in self.runs[(segment, block)])
+            return [(ev.op, self.stack.shift(ev.module, -block)) for ev in events]
+
+        xs, ys = keys(a), keys(b)
+        if xs == ys:
+            return {o: o for o in range(len(xs))}
+        matcher = difflib.SequenceMatcher(None, xs, ys, autojunk=False)
+        return {m.a + k: m.b + k for m in matcher.get_matching_blocks() for k in range(m.size)}
 
     def end(self, p: int | None, start: int | None, home: Home, anchor: int | None = None) -> int | None:
         """The target of ``p``, one past the last event of something that began at ``start`` (a lifetime's
@@ -373,7 +413,7 @@ def _calls(base: Ledger, layout: _Layout) -> list[ModuleCall]:
         b = layout.stack.block_of(c.path)
         if b is not None:
             return b
-        if layout.stack.encloses(c.path):  # the model, or the module holding the list (BERT's encoder, whose
+        if layout.stack.encloses(c.path):  # the model, a module holding the list (BERT's encoder, whose
             return None  # first op is block 0's): the skeleton, wherever its first event lies
         return layout.block_of_event(c.start)  # a module shared by the blocks, called inside one
 
