@@ -212,11 +212,15 @@ class _Layout:
             elif key[0] != phase:
                 break
             elif blocks and key[1] == blocks[-1]:
+                why = (
+                    "autograd ran them for no block's node (a reentrant checkpoint's recomputation runs so; "
+                    "checkpoint with use_reentrant=False to have the stack extended)"
+                    if phase == "backward"
+                    else "the step runs them in the middle of that block's work"
+                )
                 raise NotRepeating(
                     f"events outside every block (event {outside}, {self.base_events[outside].op}) split the "
-                    f"{phase} run of block {key[1]}: autograd ran them for no block's node (a reentrant "
-                    "checkpoint's recomputation runs so; checkpoint with use_reentrant=False to have the stack "
-                    "extended)"
+                    f"{phase} run of block {key[1]}: {why}"
                 )
             else:
                 blocks.append(key[1])
