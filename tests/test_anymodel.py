@@ -159,8 +159,8 @@ def test_estimate_says_only_the_trace_covers_it(capsys):
 @pytest.mark.parametrize("recipe", ["fp32", "bf16"])
 def test_diffusers_fake_trace_equals_real_trace(recipe):
     pytest.importorskip("diffusers")
-    from trainledger.anymodel import workload_from_diffusers_config
     from trainledger.trace import trace
+    from trainledger.vision import workload_from_diffusers_config
 
     path = FIXTURES / "sd15-unet-tiny-diffusers.json"
     setup = Setup(micro_batch=2, seq_len=8, recipe=recipe)
@@ -192,8 +192,8 @@ def test_timm_fake_trace_equals_real_trace(name):
     timm = _usable_timm()
     if not timm.is_model(name):
         pytest.skip(f"this timm has no {name}")
-    from trainledger.anymodel import workload_from_timm
     from trainledger.trace import trace
+    from trainledger.vision import workload_from_timm
 
     setup = Setup(micro_batch=2, recipe="fp32")
     real_workload = workload_from_timm(name, setup, image_size=64)
@@ -213,8 +213,8 @@ def test_trace_timm_fake_of_a_vit_on_the_command_line(capsys):
     name = "vit_tiny_patch16_224"
     if not timm.is_model(name):
         pytest.skip(f"this timm has no {name}")
-    from trainledger.anymodel import workload_from_timm
     from trainledger.trace import trace
+    from trainledger.vision import workload_from_timm
 
     argv = ["trace", "--timm", name, "--fake", "--image-size", "64", "--micro-batch", "2", "--dtype", "fp32"]
     assert main([*argv, "--json"]) == 0

@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "ledger", "checks", "signals"),
     ("declared", "analytic", "allocator", "devices", "remat._solvers", "shard"),
     ("workload", "inventory", "trace", "record", "measure", "state", "shard._observe", "remat"),
-    ("examples", "hf", "anymodel", "sources", "shard.launch"),
+    ("examples", "hf", "anymodel", "vision", "sources", "shard.launch"),
     ("report",),
     ("integrations",),  # the framework callbacks write the HTML page beside the ledger
     ("commands", "cli"),

@@ -176,7 +176,7 @@ def _timm() -> Any:
 def _timm_builder(name: str) -> tuple[Any, Any]:
     """``build(d)`` of a timm classifier's step on 32-pixel images, on fake tensors, and ``skeleton(d)``."""
     from trainledger.analytic import Setup
-    from trainledger.anymodel import timm_skeleton, workload_from_timm
+    from trainledger.vision import timm_skeleton, workload_from_timm
 
     setup = Setup(micro_batch=2, recipe="fp32")
     return (
@@ -187,7 +187,7 @@ def _timm_builder(name: str) -> tuple[Any, Any]:
 
 def test_timm_vit_extends_to_the_full_fake_trace():
     _timm()
-    from trainledger.anymodel import timm_depth
+    from trainledger.vision import timm_depth
 
     assert timm_depth(VIT, image_size=32) == 12  # model.blocks, as timm's depth=12 builds it
     build, skeleton = _timm_builder(VIT)
@@ -196,7 +196,7 @@ def test_timm_vit_extends_to_the_full_fake_trace():
 
 def test_timm_nets_without_one_depth_set_list_are_traced_whole():
     _timm()
-    from trainledger.anymodel import timm_depth
+    from trainledger.vision import timm_depth
 
     assert timm_depth("resnet18") is None  # stages of their own depths; no depth argument
     assert timm_depth("convnext_atto") is None  # the same, with depths=(2, 2, 6, 2)

@@ -262,15 +262,15 @@ def build_any_model(
             except ValueError as exc:
                 if impl != "eager" and "attention" in str(exc).lower():
                     continue  # no SDPA path for this architecture
-                raise InputError(f"transformers cannot build {cfg.class_name}: {_one_line(exc)}") from exc
+                raise InputError(f"transformers cannot build {cfg.class_name}: {one_line(exc)}") from exc
             except RuntimeError as exc:
                 if type(exc).__name__ in _READS_VALUES:
                     raise  # read a value while built: build_fake builds it again without weights
-                raise InputError(f"transformers cannot build {cfg.class_name}: {_one_line(exc)}") from exc
+                raise InputError(f"transformers cannot build {cfg.class_name}: {one_line(exc)}") from exc
             except (AssertionError, TypeError, KeyError, IndexError, AttributeError) as exc:
                 # a config transformers accepts but its modules do not (a pad token outside the vocabulary)
                 raise InputError(
-                    f"transformers cannot build {cfg.class_name} from this config: {_one_line(exc)}"
+                    f"transformers cannot build {cfg.class_name} from this config: {one_line(exc)}"
                 ) from exc
         model.train()
         return model
@@ -342,7 +342,8 @@ def skeleton(cfg: AnyConfig, *, dtype: torch.dtype = torch.float32, image_size: 
     return build_any_model(cfg, dtype=dtype, image_size=image_size, mode=torch.device("meta"))
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line, at most 300 characters (its type's name where it has none)."""
     return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
@@ -544,58 +545,6 @@ def workload_from_any_config(
     return Workload(model, batch, optimizer=optimizer_factory(setup), name=cfg.name)
 
 
-# --- diffusers and timm (optional extras) -------------------------------------------------------------
-
-
-def _extra(module: str, extra: str) -> Any:
-    """An optional package, or one line naming the extra that installs it."""
-    try:
-        return __import__(module)
-    except Exception:  # missing, or present but unusable (a torchvision built for another torch)
-        raise InputError(f"this model needs {module}: pip install 'trainledger[{extra}]'") from None
-
-
-class Denoiser(nn.Module):
-    """A diffusers model trained with the denoising MSE loss: ``‖ε_θ(x_t, t, c) − ε‖²`` (Ho et al., 2020, eq. 14).
-
-    The batch holds the noisy latents, timesteps and conditioning the model takes, and the ``target`` noise
-    (shaped as the model's output: twice the channels where the variance is learned, as DiT's)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, target: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        out = self.inner(**inputs, return_dict=False)[0]
-        return torch.nn.functional.mse_loss(out.float(), target.float())
-
-
-class Classifier(nn.Module):
-    """An image classifier that returns logits, trained with cross-entropy on its labels."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.inner(pixel_values).float(), labels)
-
-
-@contextlib.contextmanager
-def _building(mode: Any, dtype: torch.dtype, seed: int) -> Any:
-    """Build under ``mode`` (a ``FakeTensorMode`` or :class:`EmptyWeights`) or seeded, with parameters created in
-    ``dtype`` (converting them afterwards cannot swap fake parameters in place)."""
-    if mode is None:
-        torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with quiet_transformers(), mode if mode is not None else contextlib.nullcontext():
-            yield
-    finally:
-        torch.set_default_dtype(default)
-
-
 _READS_VALUES = ("DataDependentOutputException", "DynamicOutputShapeException")
 
 
@@ -624,183 +573,3 @@ def build_fake(build: Callable[[Any], _Built]) -> tuple[_Built, Any]:
             "the model reads the values of its weights while it is built, which a build without them (on the "
             f"meta device) cannot give ({' '.join(str(exc).split())[:200]}): trace it without --fake"
         ) from None
-
-
-def _check_fake(fake: bool) -> None:
-    if not isinstance(fake, bool):
-        raise InputError(f"fake {fake!r} must be True or False")
-
-
-def _diffusers_class(raw: dict[str, Any]) -> Any:
-    diffusers = _extra("diffusers", "diffusers")
-    name = raw.get("_class_name")
-    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
-    if cls is None or not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin):
-        raise InputError(
-            f"diffusers config names _class_name {name!r}, which is no diffusers model; give the config.json of "
-            "a model folder (UNet2DConditionModel, SD3Transformer2DModel, DiTTransformer2DModel, ...)"
-        )
-    return cls
-
-
-def _conditioning(config: Any, params: set[str], batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the conditioning the model's ``forward`` takes, sized from its config."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    width = config.get("cross_attention_dim") or config.get("joint_attention_dim") or config.get("caption_channels")
-    if "encoder_hidden_states" in params and width:
-        shapes["encoder_hidden_states"] = (batch, tokens, width)
-    if "pooled_projections" in params and config.get("pooled_projection_dim"):
-        shapes["pooled_projections"] = (batch, config["pooled_projection_dim"])
-    return shapes
-
-
-def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: int, mode: Any, seed: int) -> Any:
-    """Noisy latents ``(B, C, side, side)``, timesteps, conditioning, class labels, and the target noise."""
-    import inspect
-
-    params = set(inspect.signature(model.forward).parameters)
-    dtype = next(model.parameters()).dtype
-    gen = torch.Generator().manual_seed(seed)
-    b = setup.micro_batch
-    latent = "sample" if "sample" in params else "hidden_states"
-    shapes = {latent: (b, raw.get("in_channels", 4), side, side), **_conditioning(raw, params, b, setup.seq_len)}
-    with mode if mode is not None else contextlib.nullcontext():
-        batch: dict[str, torch.Tensor] = {
-            k: torch.zeros(s, dtype=dtype) if mode is not None else torch.randn(s, generator=gen).to(dtype)
-            for k, s in shapes.items()
-        }
-        steps = torch.zeros(b, dtype=torch.long) if mode is not None else torch.randint(0, 1000, (b,), generator=gen)
-        batch["timestep"] = steps
-        if "class_labels" in params and (raw.get("num_embeds_ada_norm") or raw.get("num_class_embeds")):
-            batch["class_labels"] = torch.zeros(b, dtype=torch.long)
-        out_channels = raw.get("out_channels") or raw.get("in_channels", 4)
-        out = (b, out_channels, side, side)
-        # the target noise stays fp32 on both paths (the loss compares in fp32), as the real build draws it
-        batch["target"] = torch.zeros(out) if mode is not None else torch.randn(out, generator=gen)
-    return batch
-
-
-def workload_from_diffusers_config(
-    path: str | Path, setup: Setup, *, latent_size: int | None = None, fake: bool = False, seed: int = 0
-) -> Workload:
-    """One denoising training step of a diffusers model from its local ``config.json`` (no weights read).
-
-    Arguments:
-        path: the model's ``config.json`` (its ``_class_name`` names the class) or a folder holding one.
-        setup: micro-batch, conditioning tokens (``seq_len``), precision recipe and optimizer.
-        latent_size: latent pixels per side (default: the config's ``sample_size``).
-        fake: build for a fake trace (full size, nothing allocated; see :func:`build_fake`).
-    """
-    raw = load_config_file(path)
-    cls = _diffusers_class(raw)
-    _check_fake(fake)
-    side = latent_size or raw.get("sample_size") or 64
-    side = side if isinstance(side, int) else side[0]
-
-    def build(mode: Any) -> nn.Module:
-        with _building(mode, getattr(torch, setup.weight_dtype), seed):
-            try:
-                return cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
-            except (TypeError, ValueError) as exc:
-                raise InputError(f"diffusers cannot build {cls.__name__} from {path}: {exc}") from exc
-
-    inner, made_in = build_fake(build) if fake else (build(None), None)
-    batch = _diffusion_batch(inner, raw, setup, side, made_in, seed)
-    name = f"{cls.__name__}:{Path(path).stem}"
-    return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
-
-
-def _timm_model(name: str, mode: Any, dtype: torch.dtype, seed: int, image_size: int | None, depth: int | None) -> Any:
-    """timm's ``name`` built under ``mode`` (see :func:`_building`), ``depth`` blocks deep where given (a
-    ``TypeError`` where the model takes no ``depth``)."""
-    timm = _extra("timm", "timm")
-    kwargs: dict[str, Any] = {} if depth is None else {"depth": depth}
-    sized = {**kwargs, "img_size": image_size} if image_size else kwargs
-    with _building(mode, dtype, seed):
-        try:
-            return timm.create_model(name, pretrained=False, **sized)
-        except TypeError:  # a convolutional net takes any size and has no img_size argument
-            if sized is kwargs:
-                raise
-            return timm.create_model(name, pretrained=False, **kwargs)
-
-
-def _check_timm_name(name: str) -> None:
-    timm = _extra("timm", "timm")
-    if not isinstance(name, str) or not timm.is_model(name):
-        raise InputError(f"timm has no model {name!r}; list them with timm.list_models('pattern*')")
-
-
-def timm_skeleton(name: str, *, image_size: int | None = None, depth: int | None = None) -> nn.Module:
-    """timm's ``name`` with its weights on the meta device (:class:`EmptyWeights`: no memory, nothing run),
-    ``depth`` blocks deep where given."""
-    _check_timm_name(name)
-    return _timm_model(name, EmptyWeights(), torch.float32, 0, image_size, depth)
-
-
-def _module_lists(model: nn.Module) -> dict[str, int]:
-    return {p: len(m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)}
-
-
-def timm_depth(name: str, *, image_size: int | None = None) -> int | None:
-    """How many blocks timm's ``name`` stacks in its one list of blocks whose length its ``depth`` argument sets
-    (ViT, DeiT, BEiT, EVA: ``model.blocks``), or ``None`` for a model without one (a net of stages, such as
-    ResNet and ConvNeXt, that takes no ``depth``, or one whose ``depth`` changes several lists or none).
-
-    Found on skeletons (:func:`timm_skeleton`), not from names: the model as named, and built 3 blocks deep; one
-    module list, and only one, must change its length, to 3. Whether the blocks are alike is left to the stacked
-    trace's checks: a stochastic-depth schedule (``drop_path_rate`` above timm's default of 0 for the ViTs, which
-    the step keeps) gives every block its own rate, and the skeleton guard refuses it.
-
-    Example:
-        >>> timm_depth("vit_large_patch16_224")  # doctest: +SKIP
-        24
-    """
-    full = _module_lists(timm_skeleton(name, image_size=image_size))
-    try:
-        shallow = _module_lists(timm_skeleton(name, image_size=image_size, depth=3))
-    except TypeError:  # takes no depth
-        return None
-    grown = [p for p, n in shallow.items() if full.get(p) != n]
-    if len(grown) != 1 or shallow[grown[0]] != 3 or grown[0] not in full or len(full) != len(shallow):
-        return None
-    return full[grown[0]]
-
-
-def workload_from_timm(
-    name: str,
-    setup: Setup,
-    *,
-    image_size: int | None = None,
-    fake: bool = False,
-    seed: int = 0,
-    depth: int | None = None,
-) -> Workload:
-    """One classification training step of a timm model by name, built without pretrained weights.
-
-    The images are ``(B, 3, image_size, image_size)`` (default: the model's own input size), the labels
-    class 0, the loss cross-entropy. With ``fake``, built for a fake trace (see :func:`build_fake`): ViT and
-    ConvNeXt, whose drop-path schedules are read with ``.item()`` while they are built, get their weights on
-    ``meta``. ``depth``: the model ``depth`` blocks deep (timm's own ``depth`` argument; see :func:`timm_depth`).
-    """
-    _check_timm_name(name)
-    _check_fake(fake)
-    dtype = getattr(torch, setup.weight_dtype)
-
-    def build(mode: Any) -> nn.Module:
-        try:
-            return _timm_model(name, mode, dtype, seed, image_size, depth).train()
-        except TypeError as exc:
-            if depth is None:
-                raise
-            raise InputError(f"timm's {name} takes no depth ({_one_line(exc)}); build it as named") from exc
-
-    inner, made_in = build_fake(build) if fake else (build(None), None)
-    side = image_size or inner.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
-    gen = torch.Generator().manual_seed(seed)
-    shape = (setup.micro_batch, 3, side, side)
-    with made_in if fake else contextlib.nullcontext():
-        pixels = torch.zeros(shape, dtype=dtype) if fake else torch.randn(shape, generator=gen).to(dtype)
-        labels = torch.zeros(setup.micro_batch, dtype=torch.long)
-    batch = {"pixel_values": pixels, "labels": labels}
-    return Workload(Classifier(inner), batch, optimizer=optimizer_factory(setup), name=f"timm:{name}")

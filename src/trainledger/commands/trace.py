@@ -197,7 +197,7 @@ def _timm_stack(args: argparse.Namespace) -> int | None:
     a few blocks deep; ``None``: traced whole (a net of stages, ResNet's, ConvNeXt's)."""
     if not args.timm or args.model or args.hf_config or args.diffusers_config:
         return None  # several sources: refused where the workload is built
-    from trainledger.anymodel import timm_depth
+    from trainledger.vision import timm_depth
 
     return timm_depth(args.timm, image_size=args.image_size)
 
@@ -245,9 +245,9 @@ def _shallow_refused(skeleton_at: Callable[[int], Any]) -> str | None:
 
 def _trace_timm_stacked(args: argparse.Namespace, num_blocks: int, **kwargs: Any) -> tuple[Any, int]:
     """:func:`trainledger.trace.trace_stacked` over the timm model built ``d`` blocks deep (its ``depth``)."""
-    from trainledger.anymodel import timm_skeleton
     from trainledger.ledger import Category
     from trainledger.trace import trace_stacked
+    from trainledger.vision import timm_skeleton
 
     given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
 
@@ -264,7 +264,7 @@ def _trace_timm_stacked(args: argparse.Namespace, num_blocks: int, **kwargs: Any
 def _vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int | None = None) -> Workload:
     """A timm classifier (``depth`` blocks deep where given) or a diffusers denoiser (``--seq-len``: the
     denoiser's conditioning tokens, default 77)."""
-    from trainledger.anymodel import workload_from_diffusers_config, workload_from_timm
+    from trainledger.vision import workload_from_diffusers_config, workload_from_timm
 
     step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
     check_lora_flags(step)
