@@ -113,8 +113,9 @@ class StepTracer(TorchDispatchMode):
         self.scopes = scopes
         scopes.clock = self._clock
         self.phase = "forward"
-        self.ops: list[tuple[str, str, str]] = []  # per event: phase, op, module (Events are made at the end)
-        self.event_calls: list[int] = []  # per event, the module call it ran in (NO_CALL: none)
+        # per event: phase, op, module, and the module call it ran in (NO_CALL: none); one list, appended to
+        # once per op (Events are made at the end)
+        self.ops: list[tuple[str, str, str, int]] = []
         self.writes: list[tuple[int, _Storage]] = []  # in-place writes in forward: (event, storage)
         self.kernel_calls: list[tuple[int, str, str, KernelCall | None]] = []  # kernels holding buffers inside
         self.resized: list[tuple[KernelCall, list[_Storage | None]]] = []  # fake outputs the real kernel sizes
@@ -138,7 +139,7 @@ class StepTracer(TorchDispatchMode):
         return len(self.ops)
 
     def events(self) -> list[Event]:
-        return [Event(i, phase, op, module) for i, (phase, op, module) in enumerate(self.ops)]
+        return [Event(i, phase, op, module) for i, (phase, op, module, _) in enumerate(self.ops)]
 
     # --- pre-existing state ------------------------------------------------------------------------
 
@@ -206,8 +207,9 @@ class StepTracer(TorchDispatchMode):
         if _get_ident() != self._thread:
             self.frees_elsewhere.append(rec.name)
         if self.storages.get(key) is rec:
+            # the dead reference stays in ``_refs`` until a new storage at this address replaces it or
+            # ``stop`` clears them: one dictionary operation less per free
             del self.storages[key]
-            self._refs.pop(key, None)
         self.finished.append(rec)
 
     # --- storages that change size outside dispatch ------------------------------------------------------
@@ -237,8 +239,7 @@ class StepTracer(TorchDispatchMode):
         ``outputs`` not seen before allocated by it; returns the event's index."""
         index = len(self.ops)
         module, call = self.scopes.forward_scope() if self.phase == "forward" else self.scopes.backward_scope()
-        self.ops.append((self.phase, op, module))
-        self.event_calls.append(call)
+        self.ops.append((self.phase, op, module, call))
         self._outputs(op, index, module, (), outputs)
         return index
 
@@ -266,8 +267,7 @@ class StepTracer(TorchDispatchMode):
             module, call = self.scopes.backward_scope()
             if phase == "optimizer":  # the parameter this op updates, when it is one
                 module, untracked = self._optimizer_inputs(inputs)
-        ops.append((phase, op, module))
-        self.event_calls.append(call)
+        ops.append((phase, op, module, call))
         storages = self.storages
         for t in inputs if untracked is None else untracked:
             if (
@@ -472,7 +472,8 @@ class StepTracer(TorchDispatchMode):
     def module_calls(self) -> tuple[ModuleCall, ...]:
         """Every module call of the step, with its backward span and the older state it wrote in place."""
         writes = [(e, rec.alloc_event, rec.name) for e, rec in self.writes]
-        return self.scopes.module_calls(self.event_calls, [phase for phase, _, _ in self.ops], writes)
+        calls = [call for _, _, _, call in self.ops]
+        return self.scopes.module_calls(calls, [phase for phase, _, _, _ in self.ops], writes)
 
     def entries(self, evidence: Evidence = Evidence.TRACED) -> list[Entry]:
         self._fold_accumulations()
