@@ -34,24 +34,36 @@ per op) fell inside the others' times only, and the traced step came out faster 
 twice) per event. With a revision given, the same cases run on that revision's ``src/`` (extracted with
 ``git archive``) in the same run, alternating with this tree's, and the table shows both.
 
-Where the dispatch hook's own µs go (gpt-tiny, the tracer against the no-op mode with the same hooks on, in
-one process, interleaved, least CPU time of 13 rounds each, on the shared 2-core machine under a load average
-of 6-7, so several times an idle machine's figures; measured while cutting them, by replacing one part at a
-time):
+Where the dispatch hook's own µs go (gpt-tiny, 1,267 events, one traced step). On the shared 2-core machine
+(load average 2-3 from other jobs) step times vary by ±6 µs per event from round to round, more than any one
+change here is worth, so these figures are counted, not timed: machine instructions of the traced step alone
+(``valgrind --tool=callgrind``, collection switched on around it, each count repeatable to 10 instructions per
+event), and Python bytecodes executed per function (``sys.settrace`` with opcode events). At the quiet
+figure of 15 µs per event above the plain step for 61,100 instructions, 4,100 instructions are about a µs.
 
-| part | µs per event |
-|---|---:|
-| the dispatch hook over the no-op mode with the hooks on, all of it | 20.8 |
-| of which a record per new storage (``_Storage``, its name, dtype, device, size, shape) | 5.6 |
-| of which the weak reference per new storage and the callback at its free | 6.1 |
-| of which the rest: schema facts, the event's module or parameter, looking up every input's storage | 9.1 |
+| per event | instructions | bytecodes |
+|---|---:|---:|
+| the no-op mode over the plain step (the floor) | 22,800 | 64 (torch's own) |
+| the tracer over the no-op mode, before this pass | 38,400 | 435 |
+| the tracer over the no-op mode, after it | 33,900 | 398 |
 
-(Measured after the first of this pass's changes, before the records' weak references were simplified.)
-About 500 of gpt-tiny's 1,267 events make a new storage, so a record with its weak reference costs about
-25 µs of this loaded machine's time each. The tracer of ``main`` before this pass against this one, in the
-same harness, three runs of 15-21 rounds: 25, 17 and 27 µs per event above the no-op mode with hooks,
-against 17, 14 and 19. The hooks themselves (module scopes, saved tensors) cost 6-11 µs per event over the
-bare no-op mode, several times what they cost without a dispatch mode (1.5-6.5 µs over the plain step).
+The Python bytecodes of the tracer (hooks included) cost the instructions: about 85 each, with the C calls they
+make (a ``torch._C._storage_address`` through pybind11 is about 700 instructions, ``t.layout`` about 200).
+Where they go, after this pass: the dispatch hook itself 157 a event (an event's record, its module, every input's
+storage looked up, the output's), the optimizer step's parameter lookups 42, ``label_graph`` 34, the record and
+weak reference of each new storage 40 (``_track`` and the dataclass ``__init__``) and the free callback 16, the
+backward module lookup 14, naming gradients and state at the phase changes 12. What paid: reading the forward's
+module and call from an attribute the module hooks keep (not two stacks per op), an op's rarer facts (kernel
+probes, in-place writes, fake-storage sizes, accumulations) behind one flag each side of the op, tensors of an op
+with keyword arguments taken flat where its schema has no list of tensors (19 bytecodes of walk a event before,
+4 after), the storage key passed to ``_track`` from the lookup that found it new, ``is_cpu`` for a storage's
+device name, a loop for ``label_graph``'s edges (a generator and a call per edge before), an event's module call
+kept in its tuple (one list appended to per op, not two), a dead weak reference left in its dictionary until its
+address is reused or the step ends (one dictionary operation less per free). What did not: a plain
+class with ``__slots__`` and its own ``__init__`` for the storage record (325 ns against the slotted dataclass's
+227 ns), ``t.untyped_storage()._cdata`` for the pybind11 key lookup (no faster), testing ``_NO_STORAGE`` before
+``isinstance`` (more bytecodes, not fewer), a separate branch for ops whose schema returns one new tensor
+(465 bytecodes a event against 462: the other ops pay its test).
 
 Fake 7B: a GPT of 32 layers, hidden 4096, 32 heads, vocabulary 32000, sequence 4096, micro-batch 1, bf16
 weights, AdamW, built under ``FakeTensorMode`` (nothing allocated). Wall time of the whole call and the

@@ -32,9 +32,13 @@ ROOT = ROOT_SCOPE
 NO_CALL = -1
 
 
+# asked for every op of backward and the optimizer step: bound once, not looked up through ``torch._C``
+_current_autograd_node = torch._C._current_autograd_node
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a node on this thread (a checkpoint's recomputation runs so)."""
-    return torch._C._current_autograd_node() is not None
+    return _current_autograd_node() is not None
 
 
 @dataclass(slots=True)
@@ -73,6 +77,9 @@ class ModuleScopes:
         self.stack: list[str] = []
         self.calls: list[_Call] = []
         self._call_stack: list[int] = []
+        self.scope: tuple[str, int] = ("", NO_CALL)
+        """The module path and call running now, kept as each call starts and returns: read for every op of
+        forward, where building it from the stacks cost more than its module hooks."""
         self._counts: dict[str, int] = {}
         self.clock = clock
         self._boundaries: list[set[int]] = []
@@ -105,6 +112,7 @@ class ModuleScopes:
         self.stack.clear()
         self._call_stack.clear()
         self._boundaries.clear()
+        self.scope = ("", NO_CALL)
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
@@ -115,12 +123,14 @@ class ModuleScopes:
         self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
         if in_backward():
             self._call_stack.append(NO_CALL)
+            self.scope = (name, NO_CALL)
             return
         if id(module) == self._root_id:
             self._counts.clear()
         index = self._counts.get(name, 0)
         self._counts[name] = index + 1
         parent = self._call_stack[-1] if self._call_stack and self._call_stack[-1] != NO_CALL else None
+        self.scope = (name, len(self.calls))
         self._call_stack.append(len(self.calls))
         self.calls.append(_Call(name, index, parent, self.clock(), torch.is_grad_enabled()))
 
@@ -130,15 +140,14 @@ class ModuleScopes:
             return
         self.stack.pop()
         call = self._call_stack.pop()
+        self.scope = (self.stack[-1], self._call_stack[-1]) if self.stack else ("", NO_CALL)
         if call != NO_CALL:
             self.calls[call].stop = self.clock()
         label_graph(output, name, call, stop=self._boundaries.pop())
 
     def forward_scope(self) -> tuple[str, int]:
         """The module path and call running now (``current`` and ``current_call`` in one call)."""
-        if self.stack:
-            return self.stack[-1], self._call_stack[-1]
-        return "", NO_CALL
+        return self.scope
 
     @property
     def current(self) -> str:
@@ -151,7 +160,7 @@ class ModuleScopes:
 
     def backward_scope(self) -> tuple[str, int]:
         """The module path and call whose autograd node is running (``("", NO_CALL)`` when none is)."""
-        node = torch._C._current_autograd_node()
+        node = _current_autograd_node()
         if node is None:
             return "", NO_CALL
         meta = node.metadata
@@ -244,7 +253,11 @@ def label_graph(output: Any, name: str, call: int = NO_CALL, *, stop: set[int] =
             meta[CALL_LABEL] = call
         elif not label.startswith(prefix):
             continue
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not _is_accumulate_grad(nxt))
+        for nxt, _ in node.next_functions:  # a loop, not a generator: once per edge of every module's graph
+            if nxt is not None:
+                accumulates = _ACCUMULATES.get(type(nxt))
+                if not (_is_accumulate_grad(nxt) if accumulates is None else accumulates):
+                    stack.append(nxt)
 
 
 _ACCUMULATES: dict[type, bool] = {}

@@ -113,8 +113,9 @@ class StepTracer(TorchDispatchMode):
         self.scopes = scopes
         scopes.clock = self._clock
         self.phase = "forward"
-        self.ops: list[tuple[str, str, str]] = []  # per event: phase, op, module (Events are made at the end)
-        self.event_calls: list[int] = []  # per event, the module call it ran in (NO_CALL: none)
+        # per event: phase, op, module, and the module call it ran in (NO_CALL: none); one list, appended to
+        # once per op (Events are made at the end)
+        self.ops: list[tuple[str, str, str, int]] = []
         self.writes: list[tuple[int, _Storage]] = []  # in-place writes in forward: (event, storage)
         self.kernel_calls: list[tuple[int, str, str, KernelCall | None]] = []  # kernels holding buffers inside
         self.resized: list[tuple[KernelCall, list[_Storage | None]]] = []  # fake outputs the real kernel sizes
@@ -138,7 +139,7 @@ class StepTracer(TorchDispatchMode):
         return len(self.ops)
 
     def events(self) -> list[Event]:
-        return [Event(i, phase, op, module) for i, (phase, op, module) in enumerate(self.ops)]
+        return [Event(i, phase, op, module) for i, (phase, op, module, _) in enumerate(self.ops)]
 
     # --- pre-existing state ------------------------------------------------------------------------
 
@@ -155,32 +156,39 @@ class StepTracer(TorchDispatchMode):
             if name != rec.name and name not in rec.aliases:
                 rec.aliases = (*rec.aliases, name)
             return
-        self._track(t, t.untyped_storage(), name, category, role, alloc_event=None, owner=name)
+        self._track(t, key, name, category, role, None, name, self._last_event())
+
+    def _last_event(self) -> int:
+        return len(self.ops) - 1 if self.ops else 0
 
     def _track(
         self,
         t: torch.Tensor,
-        st: torch.UntypedStorage,
+        key: int,
         name: str,
         category: Category | None,
         role: str,
         alloc_event: int | None,
         owner: str,
+        first_seen: int,
     ) -> _Storage:
-        key = st._cdata
-        dtype, device = t.dtype, t.device
+        """A record for ``t``'s storage, whose ``storage_key`` is ``key`` (the caller has it: it looked the
+        storage up), and the weak reference that reports its free."""
+        st = t.untyped_storage()
+        dtype = t.dtype
         rec = _Storage(
             name,
             category,
             role,
             _DTYPE_NAMES.get(dtype) or _dtype_name(dtype),
             st.nbytes(),
-            _DEVICE_NAMES.get(device) or _device_name(device),
+            # ``t.device`` makes a device object to hash: a CPU tensor (fake ones too) answers ``is_cpu`` without
+            "cpu" if t.is_cpu else str(t.device),
             owner,
             t.shape,
             alloc_event,
             self.phase,
-            len(self.ops) - 1 if self.ops else 0,
+            first_seen,
         )
         self.storages[key] = rec
         ref = _StorageRef(st, self._on_free)
@@ -196,11 +204,12 @@ class StepTracer(TorchDispatchMode):
         ref.rec = None
         # live through the last event that ran; no longer live from the next one
         rec.free_event = len(self.ops)
-        if threading.get_ident() != self._thread:
+        if _get_ident() != self._thread:
             self.frees_elsewhere.append(rec.name)
         if self.storages.get(key) is rec:
+            # the dead reference stays in ``_refs`` until a new storage at this address replaces it or
+            # ``stop`` clears them: one dictionary operation less per free
             del self.storages[key]
-            self._refs.pop(key, None)
         self.finished.append(rec)
 
     # --- storages that change size outside dispatch ------------------------------------------------------
@@ -211,7 +220,8 @@ class StepTracer(TorchDispatchMode):
         FSDP2 frees and re-grows a unit's gathered parameters this way; its hooks report them here.
         """
         self.freed_outside_dispatch(t)  # the same storage grown again is a new allocation
-        self._track(t, t.untyped_storage(), name, category, role, alloc_event=len(self.ops), owner=self.scopes.current)
+        index = len(self.ops)
+        self._track(t, storage_key(t), name, category, role, index, self.scopes.current, self._last_event())
 
     def freed_outside_dispatch(self, t: torch.Tensor) -> None:
         """A storage shrunk to nothing by ``untyped_storage().resize_(0)``: freed after the last event."""
@@ -229,8 +239,7 @@ class StepTracer(TorchDispatchMode):
         ``outputs`` not seen before allocated by it; returns the event's index."""
         index = len(self.ops)
         module, call = self.scopes.forward_scope() if self.phase == "forward" else self.scopes.backward_scope()
-        self.ops.append((self.phase, op, module))
-        self.event_calls.append(call)
+        self.ops.append((self.phase, op, module, call))
         self._outputs(op, index, module, (), outputs)
         return index
 
@@ -239,47 +248,39 @@ class StepTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         # Runs for every op of the step: what an op overload needs is read from its schema once (_OpInfo,
         # found by the overload's id: hashing an OpOverload runs a Python ``__hash__``), each tensor's
-        # storage is looked up once, and the common cases (tensors passed flat, one tensor returned) take
-        # no helper call and build no list.
+        # storage is looked up once, and the common cases (tensors passed flat, one tensor returned, none of
+        # the rarer facts in ``_before_op`` and ``_after_op``) take no helper call and build no list.
         info = _OPS.get(id(func), _UNSEEN)
         if info is _UNSEEN:
             info = _op_info(func)
         if info is None:  # not work on tensors: a metadata query, a profiler annotation
             return func(*args, **kwargs) if kwargs else func(*args)
-        kwargs = kwargs or {}
         op = info.name
         ops = self.ops
         index = len(ops)
         phase = self.phase
-        forward = phase == "forward"
-        inputs = args if info.flat and not kwargs else _tensors(args, kwargs)  # flat: tensors among other values
+        inputs = args if info.flat and not kwargs else _inputs(info, args, kwargs)
         untracked = None
-        if forward:
-            module, call = self.scopes.forward_scope()
+        if phase == "forward":
+            module, call = self.scopes.scope
         else:
             module, call = self.scopes.backward_scope()
             if phase == "optimizer":  # the parameter this op updates, when it is one
                 module, untracked = self._optimizer_inputs(inputs)
-        ops.append((phase, op, module))
-        self.event_calls.append(call)
-        if info.probed and (info.operands is None or blas_copies(info.operands, args, kwargs)):
-            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
-            self.kernel_calls.append((index, op, module, kernel))
+        ops.append((phase, op, module, call))
         storages = self.storages
         for t in inputs if untracked is None else untracked:
             if (
                 isinstance(t, _Tensor)
                 and t.layout is _STRIDED
                 and not isinstance(t, _NO_STORAGE)
-                and _storage_address(t) not in storages
+                and (key := _storage_address(t)) not in storages
             ):
                 # existed before the step without being declared: captured in a closure, RNG state…
-                self._track(t, t.untyped_storage(), f"captured:{op}#{index}", Category.OTHER, "captured", None, module)
-        if forward and info.written:
-            for t in _written(info.written, args, kwargs):
-                rec = storages.get(storage_key(t)) if _has_storage(t) else None
-                if rec is not None:
-                    self.writes.append((index, rec))
+                name = f"captured:{op}#{index}"
+                self._track(t, key, name, Category.OTHER, "captured", None, module, index)
+        if info.before:
+            self._before_op(func, info, index, module, args, kwargs or {})
         out = info.call(*args, **kwargs) if kwargs else info.call(*args)
         if self.substitutes:
             substitute = self.substitutes.get(func)
@@ -291,10 +292,37 @@ class StepTracer(TorchDispatchMode):
                 and not (_NO_STORAGE and isinstance(out, _NO_STORAGE))
                 and not (info.foreach and phase == "optimizer")
             ):
-                if out.layout is _STRIDED and _storage_address(out) not in storages:
-                    self._track(out, out.untyped_storage(), f"{op}#{index}", None, "", index, module)
+                if out.layout is _STRIDED and (key := _storage_address(out)) not in storages:
+                    self._track(out, key, f"{op}#{index}", None, "", index, module, index)
             else:
                 self._outputs(op, index, module, args, out)
+        if info.after:
+            self._after_op(func, info, index, args, kwargs or {}, out)
+        if self._progress is not None and index % 1000 == 0:
+            self._progress(phase, index)
+        return out
+
+    def _before_op(
+        self, func: Any, info: _OpInfo, index: int, module: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """What an op that may hold buffers inside, or writes in place, needs recorded before it runs."""
+        op = info.name
+        if info.probed and (info.operands is None or blas_copies(info.operands, args, kwargs)):
+            kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
+            self.kernel_calls.append((index, op, module, kernel))
+        if info.written and self.phase == "forward":
+            storages = self.storages
+            for t in _written(info.written, args, kwargs):
+                rec = storages.get(storage_key(t)) if _has_storage(t) else None
+                if rec is not None:
+                    self.writes.append((index, rec))
+
+    def _after_op(
+        self, func: Any, info: _OpInfo, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """What an op whose real kernel sizes its outputs otherwise, or that may be an accumulation of two
+        gradients, needs recorded after it ran."""
+        storages = self.storages
         if self.fake and info.real_storage:
             kernel = KernelCall.of(func, args, kwargs)
             if kernel is not None:
@@ -302,7 +330,7 @@ class StepTracer(TorchDispatchMode):
                 self.resized.append((kernel, outputs))
         # the engine accumulates with grad mode off (in place only then); a checkpoint's recomputation runs
         # with it on: its adds are the forward's, run again
-        if info.accumulation and not forward and not torch.is_grad_enabled() and _same_meta(args, out):
+        if info.accumulation and self.phase != "forward" and not torch.is_grad_enabled() and _same_meta(args, out):
             a, b = args[0], args[1]
             self._accumulations.append(
                 _Accumulation(
@@ -312,9 +340,6 @@ class StepTracer(TorchDispatchMode):
                     storages.get(storage_key(out)),
                 )
             )
-        if self._progress is not None and index % 1000 == 0:
-            self._progress(phase, index)
-        return out
 
     def _outputs(self, op: str, index: int, module: str, args: tuple[Any, ...], out: Any) -> None:
         """Track each output storage not seen before as allocated by this event."""
@@ -326,9 +351,9 @@ class StepTracer(TorchDispatchMode):
                 # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
                 # new when the op made it (an FSDP rank's optimizer temporaries)
                 t = t._local_tensor  # type: ignore[attr-defined]
-            if t.layout is _STRIDED and _storage_address(t) not in storages:
+            if t.layout is _STRIDED and (key := _storage_address(t)) not in storages:
                 owner = module if owners is None else owners[j]
-                self._track(t, t.untyped_storage(), f"{op}#{index}", None, "", index, owner)
+                self._track(t, key, f"{op}#{index}", None, "", index, owner, index)
 
     # --- the optimizer step, parameter by parameter ---------------------------------------------------
 
@@ -419,8 +444,8 @@ class StepTracer(TorchDispatchMode):
         """Whether any of ``tensors`` uses a storage allocated during the step and not named yet (one
         ``mark`` would name)."""
         storages = self.storages
-        for t in tensors:
-            rec = storages.get(storage_key(local_tensor(t)))
+        for t in tensors:  # every gradient and state tensor, twice a step: no helper calls for plain ones
+            rec = storages.get(_storage_address(t if type(t) in _PLAIN else local_tensor(t)))
             if rec is not None and (rec.category is None or rec.role == "captured"):
                 return True
         return False
@@ -447,7 +472,8 @@ class StepTracer(TorchDispatchMode):
     def module_calls(self) -> tuple[ModuleCall, ...]:
         """Every module call of the step, with its backward span and the older state it wrote in place."""
         writes = [(e, rec.alloc_event, rec.name) for e, rec in self.writes]
-        return self.scopes.module_calls(self.event_calls, [phase for phase, _, _ in self.ops], writes)
+        calls = [call for _, _, _, call in self.ops]
+        return self.scopes.module_calls(calls, [phase for phase, _, _, _ in self.ops], writes)
 
     def entries(self, evidence: Evidence = Evidence.TRACED) -> list[Entry]:
         self._fold_accumulations()
@@ -568,6 +594,14 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
 
 
+def _inputs(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Iterable[Any]:
+    """An op's tensors among other values: its arguments as they are when no argument is a list of tensors
+    (the caller skips what is not a tensor), else found by a walk."""
+    if info.flat:
+        return (*args, *kwargs.values()) if kwargs else args
+    return _tensors(args, kwargs)
+
+
 def _tensors(*objs: Any) -> list[torch.Tensor]:
     """Tensors among an op's arguments or outputs (flat, or in lists, tuples and dict values).
 
@@ -610,6 +644,10 @@ class _OpInfo:
     foreach: bool
     """An ``aten._foreach_`` op: in the optimizer step, its ``j``-th output is for its first list's ``j``-th
     tensor's parameter (see ``_output_owners``); any other op's outputs are for the event's parameter."""
+    before: bool
+    """``probed`` or ``written``: ``_before_op`` has something to record (one test per op for both)."""
+    after: bool
+    """``real_storage`` or ``accumulation``: ``_after_op`` has something to record."""
     call: Callable[..., Any]
     """What runs the op: an ``OpOverload``'s builtin (its ``__call__`` is a Python frame that only calls
     it), else the operator itself."""
@@ -633,17 +671,22 @@ def _op_info(func: Any) -> _OpInfo | None:
         schema = getattr(func, "_schema", None)  # higher-order operators have none
         arguments = schema.arguments if schema is not None else None
         returns = schema.returns if schema is not None else None
+        probed = name in PROBED_OPS or name in MATMUL_OPERANDS
+        written = _write_positions(schema) if schema is not None else ()
+        real_storage, accumulation = name in REAL_STORAGE_OPS, func is _ADD
         info = _OpInfo(
             name=name,
-            probed=name in PROBED_OPS or name in MATMUL_OPERANDS,
+            probed=probed,
             operands=MATMUL_OPERANDS.get(name),
-            real_storage=name in REAL_STORAGE_OPS,
-            written=_write_positions(schema) if schema is not None else (),
+            real_storage=real_storage,
+            written=written,
             flat=arguments is not None
             and all(str(a.type) in _SINGLE_TENSOR or "Tensor" not in str(a.type) for a in arguments),
             allocates=returns is None or _may_allocate(schema),
-            accumulation=func is _ADD,
+            accumulation=accumulation,
             foreach=name.startswith(_FOREACH),
+            before=probed or bool(written),
+            after=real_storage or accumulation,
             call=func._op if type(func) is torch._ops.OpOverload else func,
         )
     _OPS[id(func)] = info
@@ -683,16 +726,10 @@ def _written(where: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: 
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
-_DEVICE_NAMES: dict[torch.device, str] = {}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
-    return name
-
-
-def _device_name(device: torch.device) -> str:
-    name = _DEVICE_NAMES[device] = str(device)
     return name
 
 
@@ -703,6 +740,7 @@ def _dtensor_types() -> tuple[type, ...]:
     return (module.DTensor,) if module is not None else ()
 
 
+_get_ident = threading.get_ident  # asked at every free: bound once
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
 # The storage's identity, as ``storage_key`` (``untyped_storage()._cdata``) gives it, without making the
