@@ -80,7 +80,8 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
-FAST = ("bert", "opt", "t5")
+# the two fixes this file was written for; T5 (the third) and the others run in the whole suite
+FAST = ("bert", "opt")
 
 
 def _any_builder(name: str, num_layers: int) -> tuple[Any, Any]:
