@@ -253,3 +253,18 @@ def test_cli_traces_a_timm_net_of_stages_whole(cli_json):
     out = cli_json("trace", "--timm", "resnet18", "--fake", "--image-size", "32", "--micro-batch", "2")
     assert "blocks" not in out["meta"]  # as before: no stacked trace tried, no note of one
     assert not [n for n in out["notes"] if n.startswith(("traced 3 of", "traced all"))]
+
+
+def test_a_model_that_cannot_be_built_as_shallow_as_the_traces_is_traced_whole():
+    from trainledger.errors import InputError
+
+    def skeleton(d: int) -> nn.Module:
+        if d < 7:
+            raise InputError("per-layer settings name 7 layers")
+        return _Every5th(d)
+
+    led = trace_stacked(_every5th, 7, fake=False, skeleton=skeleton)
+    assert led.notes[0].startswith(
+        "traced all 7 blocks (not extended: it cannot be built 3 blocks deep: per-layer settings name 7 layers)"
+    )
+    assert led.entries == trace(_every5th(7)).entries

@@ -28,12 +28,17 @@ def add_step_source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
 
 
+def given_step_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The step flags the user gave (those of :data:`STEP_DEFAULTS` not left unset)."""
+    return {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+
+
 def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **step: Any) -> Workload:
     """The step the flags describe (``config``: this config instead of ``--hf-config``'s; ``step``: step
     settings that replace the flags', as a small instance's sequence length)."""
     if args.model and args.hf_config:
         raise InputError("give either --model or --hf-config, not both")
-    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    given = given_step_flags(args)
     if args.hf_config:
         from trainledger.hf import workload_from_setup
 

@@ -74,7 +74,13 @@ def trace_hf_stacked(
         cuda_device=cuda_device,
         world_size=world_size,
     )
-    return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
+    return ledger, weights_numel(ledger)
+
+
+def weights_numel(ledger: Ledger) -> int:
+    """The parameters, trainable and frozen, counted from a ledger's weights: a stacked trace builds no
+    full-depth model to count them on."""
+    return sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
 
 
 _NARROW: dict[str, int] = {

@@ -13,8 +13,8 @@ from rich.text import Text
 
 from trainledger.analytic import FAMILIES, load_config_file
 from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
-from trainledger.commands._hfstep import add_step_source_flags, workload_for
-from trainledger.commands._stacked import trace_hf_stacked
+from trainledger.commands._hfstep import add_step_source_flags, given_step_flags, workload_for
+from trainledger.commands._stacked import trace_hf_stacked, weights_numel
 from trainledger.commands.common import (
     add_json_flag,
     argparse_type,
@@ -123,7 +123,7 @@ def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None)
     sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f)]
     if len(sources) > 1:
         raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
-    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    given = given_step_flags(args)
     if args.timm or args.diffusers_config:
         return _vision_workload(args, given)
     if args.hf_config and not in_analytic_family(args):
@@ -207,10 +207,9 @@ def _trace_any_stacked(args: argparse.Namespace, cfg: Any, depth: Any, **kwargs:
     from dataclasses import replace
 
     from trainledger.anymodel import at_depth, skeleton
-    from trainledger.ledger import Category
     from trainledger.trace import trace_stacked
 
-    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    given = given_step_flags(args)
     quiet = replace(cfg, notes=())
     built: list[int] = []
 
@@ -222,34 +221,16 @@ def _trace_any_stacked(args: argparse.Namespace, cfg: Any, depth: Any, **kwargs:
     def skeleton_at(blocks: int) -> Any:
         return skeleton(at_depth(quiet, depth, blocks), image_size=args.image_size)
 
-    ledger = trace_stacked(
-        build,
-        depth.num_layers,
-        fake=True,
-        differs=depth.uneven or _shallow_refused(skeleton_at),
-        skeleton=skeleton_at,
-        **kwargs,
-    )
-    return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
-
-
-def _shallow_refused(skeleton_at: Callable[[int], Any]) -> str | None:
-    """Why the architecture cannot be built a few blocks deep (a config whose other settings name every layer,
-    as GPT-Neo's ``attention_types``), or ``None``: then it is traced whole."""
-    try:
-        skeleton_at(3)
-    except InputError as exc:
-        return f"it cannot be built 3 blocks deep: {exc}"
-    return None
+    ledger = trace_stacked(build, depth.num_layers, fake=True, differs=depth.uneven, skeleton=skeleton_at, **kwargs)
+    return ledger, weights_numel(ledger)
 
 
 def _trace_timm_stacked(args: argparse.Namespace, num_blocks: int, **kwargs: Any) -> tuple[Any, int]:
     """:func:`trainledger.trace.trace_stacked` over the timm model built ``d`` blocks deep (its ``depth``)."""
-    from trainledger.ledger import Category
     from trainledger.trace import trace_stacked
     from trainledger.vision import timm_skeleton
 
-    given = {k: getattr(args, k) for k in STEP_DEFAULTS if getattr(args, k) not in (None, False)}
+    given = given_step_flags(args)
 
     def build(blocks: int) -> Workload:
         return _vision_workload(args, given, depth=None if blocks == num_blocks else blocks)
@@ -258,7 +239,7 @@ def _trace_timm_stacked(args: argparse.Namespace, num_blocks: int, **kwargs: Any
         return timm_skeleton(args.timm, image_size=args.image_size, depth=None if blocks == num_blocks else blocks)
 
     ledger = trace_stacked(build, num_blocks, fake=True, skeleton=skeleton_at, **kwargs)
-    return ledger, sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
+    return ledger, weights_numel(ledger)
 
 
 def _vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int | None = None) -> Workload:

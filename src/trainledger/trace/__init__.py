@@ -354,14 +354,20 @@ def _known_to_differ(
     num_blocks: int, depths: list[int], differs: str | None, skeleton: Callable[[int], torch.nn.Module] | None
 ) -> str | None:
     """Why the model is traced whole before any trace is made: blocks known to differ, a model no deeper than
-    the traces, or a skeleton whose blocks at full depth are unlike the traced ones."""
+    the traces, one that cannot be built as shallow as the traces (a config whose other settings name every
+    layer, as GPT-Neo's ``attention_types``), or a skeleton whose blocks at full depth are unlike the traced
+    ones."""
     if differs is not None:
         return differs
     if num_blocks <= depths[-1]:
         return f"{num_blocks} blocks are no deeper than the traces"
-    if skeleton is not None:
-        return blocks_differ(skeleton(num_blocks), skeleton(depths[0]), num_blocks, depths[0])
-    return None
+    if skeleton is None:
+        return None
+    try:
+        shallow = skeleton(depths[0])
+    except InputError as exc:
+        return f"it cannot be built {depths[0]} blocks deep: {exc}"
+    return blocks_differ(skeleton(num_blocks), shallow, num_blocks, depths[0])
 
 
 def _extend_facts(base: CudaFacts, next_: CudaFacts, depths: list[int], num_blocks: int) -> CudaFacts:

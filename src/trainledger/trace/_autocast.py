@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Literal
 
 import torch
+from torch import library as op_library  # PyTorch's operator registration API
 
 Policy = Literal["lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned"]
 
@@ -87,7 +88,7 @@ class CudaAutocast:
         self._cache.clear()
 
     def __enter__(self) -> CudaAutocast:
-        self._lib = torch.library.Library("aten", "IMPL")
+        self._lib = op_library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # overriding CPU autocast's own kernels warns once
             warnings.simplefilter("ignore")
             for name in sorted(autocast_ops("AutocastCUDA") | autocast_ops("AutocastCPU")):
@@ -98,7 +99,7 @@ class CudaAutocast:
                 policy = POLICIES.get(name)
                 # an op only CPU autocast touches falls through, as on CUDA: a composite op's parts
                 # (cross_entropy_loss's log_softmax) then meet CUDA's policies
-                kernel = torch.library.fallthrough_kernel if policy is None else self._kernel(op, policy)
+                kernel = op_library.fallthrough_kernel if policy is None else self._kernel(op, policy)
                 self._lib.impl(name, kernel, "AutocastCPU")
         return self
 

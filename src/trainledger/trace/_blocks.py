@@ -72,8 +72,9 @@ def blocks_differ(full: nn.Module, base: nn.Module, num_blocks: int, base_depth:
     traced_sigs = [block_signature(b) for b in traced]
     for i, block in enumerate(blocks):
         j = source_block(i, base_depth, num_blocks)
-        if block_signature(block) != traced_sigs[j]:
-            where = _first_unlike(block_signature(block), traced_sigs[j])
+        signature = block_signature(block)
+        if signature != traced_sigs[j]:
+            where = _first_unlike(signature, traced_sigs[j])
             return f"its blocks differ: {path}.{i} is not like the traced block {j} ({where})"
     return None
 
