@@ -360,6 +360,25 @@ def test_trace_html_is_checked_before_the_step_runs(cli, tmp_path):
     assert code == 2 and "accepted: .html, .htm" in err
 
 
+def test_a_config_read_from_a_folder_or_for_diffusers_is_never_overwritten(cli, tmp_path):
+    fixtures = Path(__file__).parent / "fixtures" / "hf"
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    config = folder / "config.json"
+    config.write_bytes((fixtures / "bert-tiny.json").read_bytes())
+    unet = tmp_path / "unet.json"
+    unet.write_bytes((fixtures / "sd15-unet-tiny-diffusers.json").read_bytes())
+    before = {config: config.read_bytes(), unet: unet.read_bytes()}
+    for argv in [
+        ("trace", "--hf-config", str(folder), "--fake", "--export-json", str(config)),
+        ("trace", "--hf-config", str(folder), "--fake", "--export-perfetto", str(config)),
+        ("trace", "--diffusers-config", str(unet), "--fake", "--export-json", str(unet)),
+    ]:
+        code, _, err = cli(*argv)
+        assert code == 2 and "is one of the inputs; refusing to overwrite it" in err, (argv, err)
+    assert {p: p.read_bytes() for p in before} == before
+
+
 # --- the page's data, checked in Python ----------------------------------------------------------------------
 
 

@@ -40,10 +40,14 @@ def add_model_flag(p: argparse.ArgumentParser, *, unless: str | None = None) -> 
 
 
 def input_paths(args: argparse.Namespace) -> list[str]:
-    """The files the user gave as inputs (a model file, a config): outputs must never overwrite them."""
+    """The files the user gave as inputs (a model file, a config): outputs must never overwrite them. A
+    config given as a folder is read from its ``config.json``: that file is the input."""
     spec = getattr(args, "model", None) or ""
     given = [spec.rpartition(":")[0]] if ":" in spec else []
-    return given + ([args.hf_config] if getattr(args, "hf_config", None) else [])
+    for config in (getattr(args, "hf_config", None), getattr(args, "diffusers_config", None)):
+        if config:
+            given.append(str(Path(config) / "config.json") if Path(config).is_dir() else config)
+    return given
 
 
 def flags_verb(flags: list[str], singular: str, plural: str) -> str:
