@@ -172,7 +172,13 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
 def test_bad_configs_are_one_line_exit_2(cli, tmp_path, content, fragment):
     f = tmp_path / "config.json"
     f.write_text(content)
-    for command in (["estimate"], ["fit", "--device-memory", "80GiB"]):
+    commands = (
+        ["estimate"],
+        ["fit", "--device-memory", "80GiB"],
+        ["plan", "--fake", "--budget", "60%"],  # plan and pareto build the analytic families' step
+        ["pareto", "--fake"],
+    )
+    for command in commands:
         code, out, err = cli(*command, "--hf-config", str(f))
         assert code == 2
         assert fragment in err, err

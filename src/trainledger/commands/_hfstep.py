@@ -7,7 +7,13 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from trainledger.commands.common import add_model_flag, flags_verb, positive_int
-from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
+from trainledger.commands.estimate import (
+    STEP_DEFAULTS,
+    add_step_flags,
+    check_analytic_family,
+    check_lora_flags,
+    setup_from,
+)
 from trainledger.errors import InputError
 from trainledger.sources import load_workload
 from trainledger.workload import Workload
@@ -42,6 +48,8 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **
     if args.hf_config:
         from trainledger.hf import workload_from_setup
 
+        if config is None:  # plan's and pareto's step is built for the analytic families only (trace's is not)
+            check_analytic_family(args.hf_config)
         flags = argparse.Namespace(**{**STEP_DEFAULTS, **given, **step})
         check_lora_flags(flags)
         fake = step.get("fake", args.fake)
