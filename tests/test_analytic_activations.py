@@ -62,12 +62,18 @@ def test_saved_bytes_equal_autograds(path, attn, recipe):
     assert saved_by_model(cfg, setup) == saved_by_autograd(w)
 
 
-def test_sdpa_with_dropout_on_cpu_is_the_math_kernel():
+@pytest.mark.parametrize(
+    ("name", "dropouts"),
+    [("gpt2-small", {}), ("gpt-neox-small", {"attention_dropout": 0.1})],
+)
+@pytest.mark.parametrize("recipe", ["bf16", "fp32"])  # bf16 is upcast (copies of q, k, v); fp32 is not
+@pytest.mark.parametrize("rows", [1, MB])  # one sequence: v a view of the fused QKV output; more: a copy
+def test_sdpa_with_dropout_on_cpu_is_the_math_kernel(name, dropouts, recipe, rows):
     from trainledger.hf import workload_from_hf_config
 
-    cfg = json.loads((FIXTURES / "gpt2-small.json").read_text())
-    w = workload_from_hf_config(cfg, micro_batch=MB, seq_len=T, recipe="bf16", attn_impl="sdpa")
-    setup = Setup(micro_batch=MB, seq_len=T, recipe="bf16", attn_impl="sdpa", device="cpu")
+    cfg = {**json.loads((FIXTURES / f"{name}.json").read_text()), **dropouts}
+    w = workload_from_hf_config(cfg, micro_batch=rows, seq_len=T, recipe=recipe, attn_impl="sdpa")
+    setup = Setup(micro_batch=rows, seq_len=T, recipe=recipe, attn_impl="sdpa", device="cpu")
     assert saved_by_model(cfg, setup) == saved_by_autograd(w)
 
 

@@ -120,10 +120,17 @@ def sdpa_backend_of(spec: ArchSpec, setup: Setup, masked: bool = False) -> SdpaB
 def _math_attention(spec: ArchSpec, setup: Setup, rows: int, p: str) -> list[Saved]:
     """The math SDPA kernel (``_scaled_dot_product_attention_math``): q, k, v upcast to fp32 (k, v repeated to the
     query's heads), the fp32 softmax, with dropout its mask and the dropped weights (three T×T tensors). The mask
-    is CUDA's fused dropout's bool one on the card, the CPU's in the (fp32) weights' dtype."""
+    is CUDA's fused dropout's bool one on the card, the CPU's in the (fp32) weights' dtype. Inputs already in fp32
+    are not upcast: q and k are scaled into tensors of their own, and v is folded to (rows·heads, T, hd) for the
+    batched product, a copy unless one sequence makes it a view; for GPT-2 and GPT-NeoX that view is of the fused
+    QKV projection's output, and keeps all of it."""
     T, nh, hd = setup.seq_len, spec.num_heads, spec.head_dim
     q, scores = rows * nh * T * hd, rows * nh * T * T
-    out = [Saved(f"{p}q", q, "float32"), Saved(f"{p}k", q, "float32"), Saved(f"{p}v", q, "float32")]
+    out = [Saved(f"{p}q", q, "float32"), Saved(f"{p}k", q, "float32")]
+    if _act(setup) == "float32" and rows == 1 and spec.family in ("gpt2", "gpt_neox"):
+        out.append(Saved(f"{p}qkv", 3 * q, "float32"))
+    else:
+        out.append(Saved(f"{p}v", q, "float32"))
     out.append(Saved(f"{p}softmax", scores, "float32", core=True))
     if spec.attn_dropout > 0:
         mask = "bool" if setup.device == "cuda" else "float32"
@@ -337,8 +344,10 @@ def loss_saved(spec: ArchSpec, setup: Setup, rows: int) -> list[Saved]:
     if setup.reference:  # DPO: per-token log-probs of the T-1 predicted positions, gathered
         M = rows * (setup.seq_len - 1)
         return [Saved("loss.log_softmax", M * V, "float32"), Saved("loss.gather_index", M, "int64", False)]
+    # the labels are padded by one ignored id and shifted: one sequence's are a view of its padded row, more
+    # sequences' a copy of the N ids
     return [
         Saved("loss.log_softmax", N * V, "float32"),
-        Saved("loss.targets", N, "int64", False),
+        Saved("loss.targets", N + 1 if rows == 1 else N, "int64", False),
         Saved("loss.total_weight", 1, "float32", False),
     ]
