@@ -97,3 +97,12 @@ def test_lora_saves_what_autograd_saves(path, attn):
     assert abs(ours - real) / real < 0.02
     if cfg["model_type"] in ("llama", "mistral", "qwen2", "mixtral", "gpt_neox"):
         assert ours == real
+
+
+def test_gpt_neox_hidden_dropout_drops_the_embeddings_too():
+    from trainledger.hf import workload_from_hf_config
+
+    cfg = {**json.loads((FIXTURES / "gpt-neox-small.json").read_text()), "hidden_dropout": 0.1}
+    w = workload_from_hf_config(cfg, micro_batch=MB, seq_len=T, recipe="bf16", attn_impl="sdpa")
+    setup = Setup(micro_batch=MB, seq_len=T, recipe="bf16", attn_impl="sdpa", device="cpu")
+    assert saved_by_model(cfg, setup) == saved_by_autograd(w)

@@ -351,7 +351,7 @@ _LAYOUTS: dict[Family, _Layout] = {
     "qwen2": _ROTARY_SWIGLU,
     "mixtral": _ROTARY_SWIGLU,
     "gpt2": _Layout(dropouts=("attn_pdrop", "resid_pdrop", "embd_pdrop")),
-    "gpt_neox": _Layout(dropouts=("attention_dropout", "hidden_dropout", None)),
+    "gpt_neox": _Layout(dropouts=("attention_dropout", "hidden_dropout", "hidden_dropout")),  # emb_dropout too
     # one LayerNorm per layer, read by attention and MLP alike; a head with a bias
     "phi": _Layout(
         lm_head_bias=True,
