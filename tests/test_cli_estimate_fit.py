@@ -184,3 +184,8 @@ def test_bad_configs_are_one_line_exit_2(cli, tmp_path, content, fragment):
         assert fragment in err, err
         assert len(err.strip().splitlines()) == 1
     assert f.read_text() == content  # nothing the user gave is modified
+
+
+def test_a_config_folder_without_a_config_json_is_named_so(cli, tmp_path):
+    status, _out, err = cli("estimate", "--hf-config", str(tmp_path))
+    assert status == 2 and "holds no config.json" in err and "Traceback" not in err

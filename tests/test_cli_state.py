@@ -79,6 +79,7 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
 
 FACTORIES = """
 import torch, trainledger
+NUMBER = 3
 def good():
     return trainledger.Workload(torch.nn.Linear(3, 1), torch.randn(4, 3), loss_fn=lambda o, b: o.sum())
 def raises():
@@ -98,6 +99,7 @@ def exits():
         ("raises", 2, "raises() raised RuntimeError: no GPU here"),
         ("wrong", 2, "returned int"),
         ("absent", 2, "has no function 'absent'"),
+        ("NUMBER", 2, "has 'NUMBER' as an int 3, not a function"),
         ("exits", 2, "exits() called sys.exit(3); a model file and its factory must return, not exit"),
     ],
 )

@@ -88,9 +88,12 @@ def load_workload(spec: str) -> Workload:
             raise
         factory = getattr(module, factory_name, None)
         if not callable(factory):
-            raise InputError(
-                f"{path_text!r} has no function {factory_name!r}; give file.py:NAME where NAME() returns a Workload"
+            what = (
+                f"has no function {factory_name!r}"
+                if factory is None
+                else f"has {factory_name!r} as {describe(factory)}, not a function"
             )
+            raise InputError(f"{path_text!r} {what}; give file.py:NAME where NAME() returns a Workload")
         with _users_code(f"{factory_name}()"):
             workload = factory()
     if not isinstance(workload, Workload):

@@ -110,6 +110,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+        if not p.is_file():
+            raise InputError(
+                f"config folder {str(path)!r} holds no config.json (give a config.json or a folder holding one)"
+            )
     if not p.is_file():
         raise InputError(f"config {str(path)!r}: no such file (give a config.json or a folder holding one)")
     try:

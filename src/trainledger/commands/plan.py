@@ -210,7 +210,7 @@ def full_size(args: argparse.Namespace, kind: str = "cpu") -> bool:
         if on
     ]
     if given and not args.fake and kind != "cuda":
-        raise InputError(f"{', '.join(given)} plan a step at full size on fake tensors: add --fake")
+        raise InputError(f"with {', '.join(given)}, plan plans a step at full size on fake tensors: add --fake")
     if args.fake and args.cost == "seconds":
         raise InputError("--cost seconds needs the step to run; on fake tensors the cost is flops (drop --cost)")
     return bool(args.fake) or kind == "cuda"

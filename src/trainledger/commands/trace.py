@@ -172,7 +172,8 @@ def _any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: Any = No
     step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
     check_lora_flags(step)
     if cfg.task in IMAGE_ONLY_TASKS and "seq_len" in given:
-        raise InputError(f"--seq-len applies to sequences; a {cfg.task} model reads --image-size: drop it")
+        article = "an" if cfg.task[:1] in "aeiou" else "a"
+        raise InputError(f"--seq-len applies to sequences; {article} {cfg.task} model reads --image-size: drop it")
     if "seq_len" not in given:
         step.seq_len = default_seq_len(cfg, step.seq_len)
     for note in cfg.notes:
