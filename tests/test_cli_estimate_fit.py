@@ -189,3 +189,11 @@ def test_bad_configs_are_one_line_exit_2(cli, tmp_path, content, fragment):
 def test_a_config_folder_without_a_config_json_is_named_so(cli, tmp_path):
     status, _out, err = cli("estimate", "--hf-config", str(tmp_path))
     assert status == 2 and "holds no config.json" in err and "Traceback" not in err
+
+
+def test_a_config_whose_model_type_and_architectures_disagree_says_so(cli, tmp_path):
+    # a llama config relabelled as another architecture transformers ships: the class it names is not one
+    raw = json.loads((FIXTURES / "llama-small.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "t5"}))
+    status, _out, err = cli("trace", "--hf-config", str(tmp_path), "--fake")
+    assert status == 2 and "'LlamaForCausalLM', a class of model_type 'llama'" in err and "'t5'" in err

@@ -137,6 +137,18 @@ def _choose_task(tf: Any, raw: dict[str, Any], task: str | None) -> tuple[str, s
                 f"give a class it ships, or drop architectures and give --task, one of: "
                 f"{', '.join(offered) or 'none for ' + repr(model_type)}"
             )
+        # the model types transformers builds that class for, the one its name starts with first
+        other = sorted(
+            {m for t in TASKS for m, classes in tables[t].items() if named[0] in classes},
+            key=lambda m: (not named[0].lower().startswith(m.replace("_", "").replace("-", "")), m),
+        )
+        if other and model_type not in other:
+            types = " or ".join(repr(m) for m in other[:3]) + (" or others" if len(other) > 3 else "")
+            raise InputError(
+                f"the config's architectures name {named[0]!r}, a class of model_type {types}, but its model_type is "
+                f"{model_type!r}: give a config whose model_type and architectures agree, or drop architectures "
+                f"and give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
+            )
         raise InputError(
             f"architecture {named[0]!r} is none of the tasks a batch can be made for; "
             f"give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
