@@ -552,8 +552,10 @@ def _chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProc
     )
 
 
-def _dump_dom(tmp_path: Path, page: Path, fragment: str = "") -> str:
-    run = _chromium(tmp_path, page.as_uri() + fragment, "--dump-dom")
+def _dump_dom(tmp_path: Path, page: Path, fragment: str = "", *extra: str) -> str:
+    """The page's DOM once its script has run (``extra``: more of Chromium's flags for the same load, such as a
+    screenshot), asserting that it reported no error."""
+    run = _chromium(tmp_path, page.as_uri() + fragment, "--dump-dom", *extra)
     assert run.returncode == 0, run.stderr[-2000:]
     console = [line for line in run.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
@@ -584,22 +586,40 @@ def _png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     data, stride, rows, prev = zlib.decompress(idat), width * bpp, [], bytearray(width * bpp)
     for y in range(height):
         kind, line = data[y * (stride + 1)], bytearray(data[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
-        for i in range(stride):
-            a = line[i - bpp] if i >= bpp else 0
-            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
-            if kind == 1:
-                line[i] = (line[i] + a) & 255
-            elif kind == 2:
-                line[i] = (line[i] + b) & 255
-            elif kind == 3:
-                line[i] = (line[i] + (a + b) // 2) & 255
-            elif kind == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        rows.append(bytes(line[i] for i in range(stride) if i % bpp < 3))
+        line = _unfiltered(kind, line, prev, bpp)
+        if bpp == 4:
+            rgb = bytearray(line)
+            del rgb[3::4]  # the alpha bytes
+            rows.append(bytes(rgb))
+        else:
+            rows.append(bytes(line))
         prev = line
     return width, height, rows
+
+
+def _unfiltered(kind: int, line: bytearray, prev: bytearray, bpp: int) -> bytearray:
+    """A scanline with its PNG filter undone: each byte plus its predictor from ``a`` (the byte one pixel to the
+    left, 0 at the left edge), ``b`` (above) and ``c`` (above and to the left)."""
+    if kind == 0:
+        return line
+    if kind == 2:  # Up: b alone, no byte of the row depends on another
+        return bytearray((x + b) & 255 for x, b in zip(line, prev, strict=True))
+    if kind == 1:  # Sub: a
+        for i in range(bpp, len(line)):
+            line[i] = (line[i] + line[i - bpp]) & 255
+    elif kind == 3:  # Average: (a + b) // 2
+        for i in range(len(line)):
+            line[i] = (line[i] + ((line[i - bpp] if i >= bpp else 0) + prev[i]) // 2) & 255
+    elif kind == 4:  # Paeth: whichever of a, b, c is nearest p = a + b - c (so p - a = b - c, ...)
+        for i in range(bpp):  # a = c = 0 at the left edge: p = b, which b is nearest
+            line[i] = (line[i] + prev[i]) & 255
+        for i in range(bpp, len(line)):
+            a, b, c = line[i - bpp], prev[i], prev[i - bpp]
+            pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+            line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+    else:
+        raise AssertionError(f"PNG filter type {kind}")
+    return line
 
 
 def _colours(rows: list[bytes]) -> dict[bytes, int]:
@@ -614,7 +634,8 @@ def _colours(rows: list[bytes]) -> dict[bytes, int]:
 @needs_chromium
 def test_page_in_a_headless_browser(tmp_path, traced):
     page = write_html(traced, tmp_path / "step.html")
-    dom = _dump_dom(tmp_path, page)
+    shot = tmp_path / "step.png"  # drawn by the same load of the page
+    dom = _dump_dom(tmp_path, page, "", f"--screenshot={shot}", "--window-size=1280,1100")
     peak = traced.peak()
     m = re.search(r'id="peak-bytes" data-bytes="(\d+)">([^<]*)<', dom)
     assert m is not None and int(m.group(1)) == peak.bytes and m.group(2) == f"{peak.bytes:,} bytes"
@@ -625,9 +646,7 @@ def test_page_in_a_headless_browser(tmp_path, traced):
     assert total is not None and int(total.group(1)) == peak.bytes
     assert f"{len(traced.live_at(peak.event)):,} arrays live at event {peak.event:,}" in dom
 
-    shot = tmp_path / "step.png"
-    run = _chromium(tmp_path, page.as_uri(), f"--screenshot={shot}", "--window-size=1280,1100")
-    assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
+    assert shot.exists()
     width, height, rows = _png_pixels(shot)
     assert (width, height) == (1280, 1100)
     colours = _colours(rows)
