@@ -125,16 +125,19 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _time_traced_steps(into: list[float]) -> None:
-    """Append the CPU time of every step ``trace()`` runs under its tracer: the one given ``on_loss`` (the
-    warm-up step is given ``on_phase`` too, so counting the calls given ``on_phase`` mixed plain warm-up
-    steps into the traced ones and halved the overhead a median showed)."""
+    """Append the CPU time of every step ``trace()`` runs under its tracer (the step run while a tracer is
+    the dispatch mode: the warm-up step is given ``on_phase`` too, so counting the calls given ``on_phase``
+    mixed plain warm-up steps into the traced ones and halved the overhead a median showed)."""
+    from trainledger.trace import active_tracer
+
     module = sys.modules["trainledger.trace"]
     run_step = module.run_step
 
     def timed(workload, **kwargs) -> None:
+        traced = active_tracer() is not None
         t0 = time.process_time()
         run_step(workload, **kwargs)
-        if kwargs.get("on_loss") is not None:
+        if traced:
             into.append(time.process_time() - t0)
 
     module.run_step = timed

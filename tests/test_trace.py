@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from tests.conftest import traced_example
 from trainledger import examples
 from trainledger.errors import InputError
-from trainledger.ledger import Category, Evidence
+from trainledger.ledger import LOSS_SCOPE, Category, Evidence
 from trainledger.trace import KERNEL_INTERNAL, trace
 from trainledger.workload import Workload
 
@@ -243,6 +243,35 @@ def test_every_event_has_a_phase_and_backward_events_name_their_module():
     assert phases <= {"forward", "backward", "optimizer", "zero_grad"} and "backward" in phases
     bwd_modules = {e.module for e in led.events if e.phase == "backward"}
     assert "blocks.0.attn" in bwd_modules and "blocks.3.mlp.fc" in bwd_modules
+
+
+def test_a_backward_op_names_the_module_call_whose_forward_made_its_node():
+    # The model's own ops between its submodules (tanh, sigmoid), a submodule's (b's GELU), the loss's (in the
+    # loss function, outside the model), and a reentrant checkpoint's recomputation in backward: c's nodes,
+    # made again by c, and the SiLU its function applies outside any module (no call of the forward made it).
+    from torch.nn import functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+        def forward(self, x):
+            h = torch.sigmoid(self.b(torch.tanh(self.a(x))))
+            return checkpoint(lambda t: F.silu(self.c(t)), h, use_reentrant=True)
+
+    torch.manual_seed(0)
+    led = trace(Workload(Net(), torch.randn(4, 8), loss_fn=lambda o, _b: F.logsigmoid(o).mean()))
+    backward = [e for e in led.events if e.phase == "backward"]
+    by_op = {e.op: {x.module for x in backward if x.op == e.op} for e in backward}
+    assert by_op["aten.tanh_backward"] == {"(root)"}  # behind b's nodes: the root's walk never reached it
+    assert by_op["aten.sigmoid_backward"] == {"(root)"}
+    assert by_op["aten.gelu_backward"] == {"b.1"}
+    assert by_op["aten.log_sigmoid_backward"] == {LOSS_SCOPE}
+    assert by_op["aten.silu_backward"] == {""}
+    assert {"a", "b.0", "c"} <= by_op["aten.mm"]
 
 
 def test_frozen_reference_under_no_grad_works():
