@@ -463,6 +463,8 @@ def _trace(
     named = list(model.named_parameters())
     parameters = [p for _, p in named]
 
+    zero_grad_began = [0]  # the event zero_grad began at
+
     def on_phase(phase: str) -> None:
         if phase == "optimizer":  # gradients exist now: name them before the optimizer runs
             for name, p in named:
@@ -470,8 +472,11 @@ def _trace(
                     tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{name}.grad")
         elif phase == "backward":
             scopes.backward_begins()
-        elif phase in ("zero_grad", "end"):  # masters' gradients and any state the step created
+        elif phase == "zero_grad" or (phase == "end" and tracer.num_events > zero_grad_began[0]):
+            # masters' gradients and any state the step created (at the end, only if zero_grad ran an op:
+            # without one it made no storage)
             mark_optimizer_outputs(tracer, model, optimizer, parameters=parameters)
+            zero_grad_began[0] = tracer.num_events
         if phase != "end":
             tracer.phase = phase
         if kernels is not None:
