@@ -340,6 +340,39 @@ def test_gradient_accumulation_is_modelled_in_place():
     assert bwd_adds == []  # folded into the first gradient, as InputBuffer::accumulate does
 
 
+class _Chunked(nn.Module):
+    """Two layers run on each of four chunks of the batch: each weight's gradient arrives four times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 48)
+
+    def forward(self, x):
+        return sum(self.b(torch.relu(self.a(c))).square().mean() for c in x.chunk(4))
+
+
+def test_a_gradient_that_is_a_view_is_accumulated_out_of_place_as_the_profiler_counts():
+    # A weight's gradient from one use is a view (the transpose of a matrix product's output); the engine adds
+    # in place only into a tensor that holds its storage alone, so the four uses' gradients are added out of
+    # place: the adds allocate, untraced too.
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.oracle_profiler import two_steps, window_peak
+    from trainledger.workload import run_step
+
+    def chunked() -> Workload:
+        torch.manual_seed(0)
+        return Workload(_Chunked(), torch.randn(64, 32), loss_fn=lambda o, _b: o, optimizer=torch.optim.SGD)
+
+    led = trace(chunked())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        two_steps(chunked(), run_step)
+    assert led.peak().bytes == window_peak(prof)
+    # the first add of two of a weight's gradients makes the buffer the rest are added into, the gradient
+    grads = {e.name: led.events[e.alloc_event] for e in led.select(category=Category.GRADIENTS)}
+    assert {(e.phase, e.op) for e in grads.values()} == {("backward", "aten.add.Tensor")}
+
+
 class _Residual(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
