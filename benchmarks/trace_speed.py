@@ -46,6 +46,17 @@ figure of 15 µs per event above the plain step for 61,100 instructions, 4,100 i
 | the no-op mode over the plain step (the floor) | 22,800 | 64 (torch's own) |
 | the tracer over the no-op mode, before this pass | 38,400 | 435 |
 | the tracer over the no-op mode, after it | 33,900 | 398 |
+| the tracer over the no-op mode, after the next (backward's module by sequence number) | 30,700 | 360 |
+
+The next pass (measured the same way, the no-op floor 22,700 instructions on this machine, the tracer above it
+33,985 before and 30,748 after): a backward op's module call is found from its autograd node's sequence number
+among the numbers the module hooks note as the running module changes (a bisection), not by labelling every
+call's graph with a walk from its outputs when it returns (``label_graph``, 34 bytecodes a event: nested calls
+walked their submodules' nodes again); and the step's end names new gradients and state only if ``zero_grad``
+ran an op (9 bytecodes a event of walking every gradient and state tensor). What did not pay: finding an
+optimizer op's parameter from a table of the parameters', gradients' and state's tensor objects made when the
+optimizer step begins (a weak reference to tell a live object from a new one at its address): as many bytecodes
+per input as the storage lookup, and the table's making on top.
 
 The Python bytecodes of the tracer (hooks included) cost the instructions: about 85 each, with the C calls they
 make (a ``torch._C._storage_address`` through pybind11 is about 700 instructions, ``t.layout`` about 200).
@@ -125,16 +136,19 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _time_traced_steps(into: list[float]) -> None:
-    """Append the CPU time of every step ``trace()`` runs under its tracer: the one given ``on_loss`` (the
-    warm-up step is given ``on_phase`` too, so counting the calls given ``on_phase`` mixed plain warm-up
-    steps into the traced ones and halved the overhead a median showed)."""
+    """Append the CPU time of every step ``trace()`` runs under its tracer (the step run while a tracer is
+    the dispatch mode: the warm-up step is given ``on_phase`` too, so counting the calls given ``on_phase``
+    mixed plain warm-up steps into the traced ones and halved the overhead a median showed)."""
+    from trainledger.trace import active_tracer
+
     module = sys.modules["trainledger.trace"]
     run_step = module.run_step
 
     def timed(workload, **kwargs) -> None:
+        traced = active_tracer() is not None
         t0 = time.process_time()
         run_step(workload, **kwargs)
-        if kwargs.get("on_loss") is not None:
+        if traced:
             into.append(time.process_time() - t0)
 
     module.run_step = timed

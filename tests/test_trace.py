@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from tests.conftest import traced_example
 from trainledger import examples
 from trainledger.errors import InputError
-from trainledger.ledger import Category, Evidence
+from trainledger.ledger import LOSS_SCOPE, Category, Evidence
 from trainledger.trace import KERNEL_INTERNAL, trace
 from trainledger.workload import Workload
 
@@ -245,6 +245,35 @@ def test_every_event_has_a_phase_and_backward_events_name_their_module():
     assert "blocks.0.attn" in bwd_modules and "blocks.3.mlp.fc" in bwd_modules
 
 
+def test_a_backward_op_names_the_module_call_whose_forward_made_its_node():
+    # The model's own ops between its submodules (tanh, sigmoid), a submodule's (b's GELU), the loss's (in the
+    # loss function, outside the model), and a reentrant checkpoint's recomputation in backward: c's nodes,
+    # made again by c, and the SiLU its function applies outside any module (no call of the forward made it).
+    from torch.nn import functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+        def forward(self, x):
+            h = torch.sigmoid(self.b(torch.tanh(self.a(x))))
+            return checkpoint(lambda t: F.silu(self.c(t)), h, use_reentrant=True)
+
+    torch.manual_seed(0)
+    led = trace(Workload(Net(), torch.randn(4, 8), loss_fn=lambda o, _b: F.logsigmoid(o).mean()))
+    backward = [e for e in led.events if e.phase == "backward"]
+    by_op = {e.op: {x.module for x in backward if x.op == e.op} for e in backward}
+    assert by_op["aten.tanh_backward"] == {"(root)"}  # behind b's nodes: the root's walk never reached it
+    assert by_op["aten.sigmoid_backward"] == {"(root)"}
+    assert by_op["aten.gelu_backward"] == {"b.1"}
+    assert by_op["aten.log_sigmoid_backward"] == {LOSS_SCOPE}
+    assert by_op["aten.silu_backward"] == {""}
+    assert {"a", "b.0", "c"} <= by_op["aten.mm"]
+
+
 def test_frozen_reference_under_no_grad_works():
     led = traced_example("dpo")
     frozen = sum(e.nbytes for e in led.select(category=Category.FROZEN))
@@ -309,6 +338,39 @@ def test_gradient_accumulation_is_modelled_in_place():
     adds = [e for e in led.entries if e.name.startswith("aten.add.Tensor#") and e.category == Category.WORKSPACE]
     bwd_adds = [e for e in adds if led.events[e.alloc_event].phase == "backward"]
     assert bwd_adds == []  # folded into the first gradient, as InputBuffer::accumulate does
+
+
+class _Chunked(nn.Module):
+    """Two layers run on each of four chunks of the batch: each weight's gradient arrives four times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 48)
+
+    def forward(self, x):
+        return sum(self.b(torch.relu(self.a(c))).square().mean() for c in x.chunk(4))
+
+
+def test_a_gradient_that_is_a_view_is_accumulated_out_of_place_as_the_profiler_counts():
+    # A weight's gradient from one use is a view (the transpose of a matrix product's output); the engine adds
+    # in place only into a tensor that holds its storage alone, so the four uses' gradients are added out of
+    # place: the adds allocate, untraced too.
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.oracle_profiler import two_steps, window_peak
+    from trainledger.workload import run_step
+
+    def chunked() -> Workload:
+        torch.manual_seed(0)
+        return Workload(_Chunked(), torch.randn(64, 32), loss_fn=lambda o, _b: o, optimizer=torch.optim.SGD)
+
+    led = trace(chunked())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        two_steps(chunked(), run_step)
+    assert led.peak().bytes == window_peak(prof)
+    # the first add of two of a weight's gradients makes the buffer the rest are added into, the gradient
+    grads = {e.name: led.events[e.alloc_event] for e in led.select(category=Category.GRADIENTS)}
+    assert {(e.phase, e.op) for e in grads.values()} == {("backward", "aten.add.Tensor")}
 
 
 class _Residual(nn.Module):

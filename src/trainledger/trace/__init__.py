@@ -54,7 +54,7 @@ from trainledger.trace._record import ForwardRecord, StorageRecord, record_forwa
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._restore import RESTORED_NOTE, TrainingState
 from trainledger.trace._rngstate import RNG_STATE_ROLE, rng_states_seen
-from trainledger.trace._scopes import ModuleScopes, label_graph
+from trainledger.trace._scopes import ModuleScopes
 from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
@@ -451,7 +451,7 @@ def _trace(
         run_step(workload, on_phase=kernels.on_phase if kernels is not None else None)
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
-    scopes = ModuleScopes(roots)
+    scopes = ModuleScopes(roots, outside=LOSS_SCOPE)
     substitutes = {**(FAKE_SUBSTITUTES if fake else {}), **(DISPATCH_SUBSTITUTES if cuda else {})}
     tracer = StepTracer(scopes, fake=fake, progress=progress, substitutes=substitutes)
     for t, owner in iter_state(model, optimizer, reference=reference):
@@ -463,13 +463,20 @@ def _trace(
     named = list(model.named_parameters())
     parameters = [p for _, p in named]
 
+    zero_grad_began = [0]  # the event zero_grad began at
+
     def on_phase(phase: str) -> None:
         if phase == "optimizer":  # gradients exist now: name them before the optimizer runs
             for name, p in named:
                 if p.grad is not None:
                     tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{name}.grad")
-        elif phase in ("zero_grad", "end"):  # masters' gradients and any state the step created
+        elif phase == "backward":
+            scopes.backward_begins()
+        elif phase == "zero_grad" or (phase == "end" and tracer.num_events > zero_grad_began[0]):
+            # masters' gradients and any state the step created (at the end, only if zero_grad ran an op:
+            # without one it made no storage)
             mark_optimizer_outputs(tracer, model, optimizer, parameters=parameters)
+            zero_grad_began[0] = tracer.num_events
         if phase != "end":
             tracer.phase = phase
         if kernels is not None:
@@ -487,7 +494,7 @@ def _trace(
                 rng_states_seen(tracer, enabled=on_cpu),
             ):
                 start = time.perf_counter()
-                run_step(workload, on_phase=on_phase, on_loss=lambda loss: label_graph(loss, LOSS_SCOPE))
+                run_step(workload, on_phase=on_phase)
                 seconds = time.perf_counter() - start
     finally:
         scopes.close()

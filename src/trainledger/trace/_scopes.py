@@ -1,20 +1,25 @@
 """Which module an op belongs to, in forward and in backward, and every call of every module.
 
 Forward: global module pre/post hooks keep a stack of module paths and record each call (its path, which
-call of that module it is, the call it ran inside, its first and last event). Backward: every autograd
-node a module call created is labelled with that module's path and that call (in ``node.metadata``) by
-walking back from the call's outputs once it returns; inner modules return first, so each node keeps its
-innermost module. During backward the tracer asks autograd for the node being executed
-(``torch._C._current_autograd_node()``) and reads the label: "which module's gradient is being
-computed, for which call". ``AccumulateGrad`` nodes are attributed to the module owning the parameter.
+call of that module it is, the call it ran inside, its first and last event). Backward: autograd numbers
+every node it creates, in order, per thread (``node._sequence_nr()``); each time the module running in
+forward changes, the hooks note autograd's next number and the module and call from then on. A node
+belongs to the call that was running when it was made: during backward the tracer asks autograd for the
+node being executed (``torch._C._current_autograd_node()``) and finds its number among those notes (a
+bisection): "which module's gradient is being computed, for which call". ``AccumulateGrad`` nodes are
+attributed to the module owning the parameter.
 
 A module called while backward runs is a recomputation (activation checkpointing), not a call of the
-step: it is attributed as usual but not recorded as a call.
+step: it is attributed as usual but not recorded as a call, and the nodes it makes (numbered on the
+engine's thread, which on CUDA is not the forward's) are labelled in ``node.metadata`` instead, by a walk
+back from its outputs; so is a module call on another thread than the one that opened the scopes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +39,9 @@ NO_CALL = -1
 
 # asked for every op of backward and the optimizer step: bound once, not looked up through ``torch._C``
 _current_autograd_node = torch._C._current_autograd_node
+_next_sequence_nr = torch._C._autograd._get_sequence_nr  # the number autograd gives the next node it makes
+_UNNUMBERED = 2**64 - 1  # an ``AccumulateGrad`` node's sequence number (it is made once per leaf, not per op)
+_get_ident = threading.get_ident
 
 
 def in_backward() -> bool:
@@ -60,9 +68,17 @@ class ModuleScopes:
         roots: ``(prefix, module)`` pairs; the first is the model, whose every call starts a new count
             of calls for every module (so call numbers restart with each forward of the model).
         clock: the number of events so far (a call starts at ``clock()`` and stops at ``clock()``).
+        outside: the module path that backward ops of nodes made outside every module call are attributed
+            to (``trace`` gives the loss's scope: the loss and what the step computes around the model).
     """
 
-    def __init__(self, roots: Iterable[tuple[str, nn.Module]], *, clock: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        roots: Iterable[tuple[str, nn.Module]],
+        *,
+        clock: Callable[[], int] = lambda: 0,
+        outside: str = "",
+    ) -> None:
         self.names: dict[int, str] = {}
         self.param_owner: dict[int, str] = {}
         self._root_id: int | None = None
@@ -82,10 +98,19 @@ class ModuleScopes:
         forward, where building it from the stacks cost more than its module hooks."""
         self._counts: dict[str, int] = {}
         self.clock = clock
-        self._boundaries: list[set[int]] = []
+        self._outside = (outside, NO_CALL)
+        # where the module running in forward changed: autograd's next sequence number then (ascending), and
+        # the module and call from then on; a node made at number ``s`` belongs to the last one at or below it
+        self._numbers: list[int] = []
+        self._owners: list[tuple[str, int]] = []
+        self._labelled = False  # some call labelled its nodes in ``node.metadata`` (see _pre): read it first
+        self._thread = _get_ident()
+        # per open call: None, or for a call whose nodes get labels, the nodes its inputs had (they bound the walk)
+        self._boundaries: list[set[int] | None] = []
         self._handles: list[RemovableHandle] = []
 
     def open(self) -> None:
+        self._thread = _get_ident()
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post, always_call=True),
@@ -119,9 +144,15 @@ class ModuleScopes:
         if name is None:
             return
         self.stack.append(name)
-        # the graph that existed before this forward: its inputs' nodes bound the walk in _post
-        self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
-        if in_backward():
+        backward = in_backward()
+        if backward or _get_ident() != self._thread:
+            # its nodes are numbered on another thread than the forward's (or after it): labelled by a walk in
+            # _post, bounded by the graph that existed before this call (its inputs' nodes)
+            self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
+            self._labelled = True
+        else:
+            self._boundaries.append(None)
+        if backward:
             self._call_stack.append(NO_CALL)
             self.scope = (name, NO_CALL)
             return
@@ -130,9 +161,11 @@ class ModuleScopes:
         index = self._counts.get(name, 0)
         self._counts[name] = index + 1
         parent = self._call_stack[-1] if self._call_stack and self._call_stack[-1] != NO_CALL else None
-        self.scope = (name, len(self.calls))
+        self.scope = scope = (name, len(self.calls))
         self._call_stack.append(len(self.calls))
         self.calls.append(_Call(name, index, parent, self.clock(), torch.is_grad_enabled()))
+        self._numbers.append(_next_sequence_nr())
+        self._owners.append(scope)
 
     def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
         name = self.names.get(id(module))
@@ -141,9 +174,20 @@ class ModuleScopes:
         self.stack.pop()
         call = self._call_stack.pop()
         self.scope = (self.stack[-1], self._call_stack[-1]) if self.stack else ("", NO_CALL)
+        stop = self._boundaries.pop()
+        if stop is not None:
+            label_graph(output, name, call, stop=stop)
         if call != NO_CALL:
             self.calls[call].stop = self.clock()
-        label_graph(output, name, call, stop=self._boundaries.pop())
+            if stop is None:
+                self._numbers.append(_next_sequence_nr())
+                self._owners.append(self.scope if self.stack else self._outside)
+
+    def backward_begins(self) -> None:
+        """Nodes made from now on (a reentrant checkpoint's recomputation outside its modules, a double
+        backward's graph) belong to no module call of the forward."""
+        self._numbers.append(_next_sequence_nr())
+        self._owners.append(("", NO_CALL))
 
     def forward_scope(self) -> tuple[str, int]:
         """The module path and call running now (``current`` and ``current_call`` in one call)."""
@@ -163,14 +207,17 @@ class ModuleScopes:
         node = _current_autograd_node()
         if node is None:
             return "", NO_CALL
-        meta = node.metadata
-        label = meta.get(LABEL)
-        if label is not None:
-            return label, meta.get(CALL_LABEL, NO_CALL)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter it accumulates into
-        if variable is not None:
-            return self.param_owner.get(id(variable), ""), NO_CALL
-        return "", NO_CALL
+        if self._labelled:
+            meta = node.metadata
+            label = meta.get(LABEL)
+            if label is not None:
+                return label, meta.get(CALL_LABEL, NO_CALL)
+        number = node._sequence_nr()
+        if number == _UNNUMBERED:
+            variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter it accumulates into
+            return (self.param_owner.get(id(variable), ""), NO_CALL) if variable is not None else ("", NO_CALL)
+        i = bisect_right(self._numbers, number)
+        return self._owners[i - 1] if i else self._outside
 
     # --- after the step ------------------------------------------------------------------------------
 

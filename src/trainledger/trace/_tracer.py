@@ -591,7 +591,12 @@ def _same_meta(args: tuple[Any, ...], out: Any) -> bool:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+    """Whether the engine could add into ``t`` in place: it holds its storage alone (``can_accumulate_inplace``
+    in autograd's input buffer asks for one reference to the storage; a view shares its base's, so a gradient
+    that is a view, as a weight's transposed matrix product is, is added out of place)."""
+    return (
+        t._base is None and t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+    )
 
 
 def _inputs(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Iterable[Any]:
