@@ -274,6 +274,31 @@ def test_a_backward_op_names_the_module_call_whose_forward_made_its_node():
     assert {"a", "b.0", "c"} <= by_op["aten.mm"]
 
 
+def test_a_module_called_on_another_thread_names_its_backward_ops():
+    # autograd numbers nodes per thread: a call on another thread labels its nodes instead (its forward ops run
+    # out of the tracer's sight, whose dispatch mode is the tracing thread's; their backward runs here)
+    from torch.nn import functional as F
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+
+        def forward(self, x):
+            out = {}
+            worker = threading.Thread(target=lambda: out.update(h=self.b(x)))
+            worker.start()
+            worker.join()
+            return F.silu(self.a(out["h"]))
+
+    torch.manual_seed(0)
+    led = trace(Workload(Net(), torch.randn(4, 8), loss_fn=lambda o, _b: o.mean()))
+    backward = [e for e in led.events if e.phase == "backward"]
+    assert {e.module for e in backward if e.op == "aten.gelu_backward"} == {"b.1"}
+    assert {e.module for e in backward if e.op == "aten.silu_backward"} == {"(root)"}
+
+
 def test_frozen_reference_under_no_grad_works():
     led = traced_example("dpo")
     frozen = sum(e.nbytes for e in led.select(category=Category.FROZEN))

@@ -39,7 +39,8 @@ NO_CALL = -1
 
 # asked for every op of backward and the optimizer step: bound once, not looked up through ``torch._C``
 _current_autograd_node = torch._C._current_autograd_node
-_next_sequence_nr = torch._C._autograd._get_sequence_nr  # the number autograd gives the next node it makes
+# the number autograd gives the next node it makes (where a torch lacks it, every call labels its nodes instead)
+_next_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _UNNUMBERED = 2**64 - 1  # an ``AccumulateGrad`` node's sequence number (it is made once per leaf, not per op)
 _get_ident = threading.get_ident
 
@@ -145,7 +146,8 @@ class ModuleScopes:
             return
         self.stack.append(name)
         backward = in_backward()
-        if backward or _get_ident() != self._thread:
+        labelled = backward or _next_sequence_nr is None or _get_ident() != self._thread
+        if labelled:
             # its nodes are numbered on another thread than the forward's (or after it): labelled by a walk in
             # _post, bounded by the graph that existed before this call (its inputs' nodes)
             self._boundaries.append({id(t.grad_fn) for t in iter_tensors(args) if t.grad_fn is not None})
@@ -164,8 +166,9 @@ class ModuleScopes:
         self.scope = scope = (name, len(self.calls))
         self._call_stack.append(len(self.calls))
         self.calls.append(_Call(name, index, parent, self.clock(), torch.is_grad_enabled()))
-        self._numbers.append(_next_sequence_nr())
-        self._owners.append(scope)
+        if not labelled:
+            self._numbers.append(_next_sequence_nr())
+            self._owners.append(scope)
 
     def _post(self, module: nn.Module, _args: Any, output: Any) -> None:
         name = self.names.get(id(module))
@@ -186,8 +189,9 @@ class ModuleScopes:
     def backward_begins(self) -> None:
         """Nodes made from now on (a reentrant checkpoint's recomputation outside its modules, a double
         backward's graph) belong to no module call of the forward."""
-        self._numbers.append(_next_sequence_nr())
-        self._owners.append(("", NO_CALL))
+        if _next_sequence_nr is not None:
+            self._numbers.append(_next_sequence_nr())
+            self._owners.append(("", NO_CALL))
 
     def forward_scope(self) -> tuple[str, int]:
         """The module path and call running now (``current`` and ``current_call`` in one call)."""
