@@ -299,6 +299,24 @@ def test_a_module_called_on_another_thread_names_its_backward_ops():
     assert {e.module for e in backward if e.op == "aten.silu_backward"} == {"(root)"}
 
 
+def test_a_module_cast_inside_forward_on_fake_tensors_is_refused_with_what_to_do():
+    # SwitchTransformers' router calls ``self.classifier.to(self.dtype)`` in forward: PyTorch swaps a fake
+    # parameter's tensors for that, and a fake tensor's weak references forbid the swap
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = nn.Linear(8, 4)
+
+        def forward(self, x):
+            self.classifier = self.classifier.to(torch.float32)
+            return self.classifier(x)
+
+    w = Workload(Router(), torch.randn(2, 8), loss_fn=lambda o, _b: o.sum())
+    with pytest.raises(InputError, match=r"Module\.to\(\).*trace it without --fake"):
+        trace(w, fake=True)
+    assert trace(w).peak().bytes > 0  # the real step runs
+
+
 def test_frozen_reference_under_no_grad_works():
     led = traced_example("dpo")
     frozen = sum(e.nbytes for e in led.select(category=Category.FROZEN))

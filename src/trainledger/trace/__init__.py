@@ -257,6 +257,13 @@ def _trace_step(
                     raise InputError(
                         f"the step has data-dependent shapes, which fake tensors cannot run ({exc}); {fix}"
                     ) from exc
+                if "Couldn't swap" in str(exc):
+                    # Module.to() on a fake parameter swaps the tensors, which fake tensors' weak references forbid
+                    raise InputError(
+                        f"{str(exc).rstrip('.')}: the model moves or casts a module inside its forward "
+                        "(Module.to()), which PyTorch cannot do to fake parameters; trace it without --fake "
+                        "(a config small enough to build)"
+                    ) from exc
                 raise
         return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True}), kernels
     roots = [m for m in (workload.model, workload.reference) if m is not None]
