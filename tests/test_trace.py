@@ -301,13 +301,17 @@ def test_a_module_called_on_another_thread_names_its_backward_ops():
 
 def test_a_module_cast_inside_forward_on_fake_tensors_is_refused_with_what_to_do():
     # SwitchTransformers' router calls ``self.classifier.to(self.dtype)`` in forward: PyTorch swaps a fake
-    # parameter's tensors for that, and a fake tensor's weak references forbid the swap
+    # parameter's tensors for that, which a weak reference to the parameter forbids (fake tensors' own may be
+    # gone by then, depending on what ran before: this model keeps one, so the swap always fails)
+    import weakref
+
     class Router(nn.Module):
         def __init__(self):
             super().__init__()
             self.classifier = nn.Linear(8, 4)
 
         def forward(self, x):
+            self.seen = weakref.ref(self.classifier.weight)
             self.classifier = self.classifier.to(torch.float32)
             return self.classifier(x)
 
