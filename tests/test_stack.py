@@ -24,6 +24,17 @@ from trainledger.workload import Workload
 HF = Path(__file__).parent / "fixtures" / "hf"
 
 
+def cli_extended_and_full(cli_json: Any, argv: tuple[str, ...], total: int, note: str) -> tuple[dict, dict]:
+    """``trace`` through the command line, extended from 3 and 4 of ``total`` blocks (its first note starting
+    with ``note``), and again with ``--full-depth``: the two JSON outputs, their peaks and events compared."""
+    extended = cli_json(*argv)
+    assert extended["meta"]["blocks"] == {"total": total, "traced": [3, 4], "extended": True}
+    assert extended["notes"][0].startswith(note)
+    full = cli_json(*argv, "--full-depth")
+    assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
+    return extended, full
+
+
 def assert_same_ledger(extended: Ledger, full: Ledger) -> None:
     """Equal entry for entry and event for event; the extension's own note and meta key aside."""
     assert extended.meta["blocks"]["extended"] is True, extended.notes[0]
@@ -311,12 +322,8 @@ def test_cli_says_how_many_blocks_it_traced(tmp_path: Path, cli, cli_json):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     argv = ("trace", "--hf-config", str(path), "--fake", "--seq-len", "16")
-    extended = cli_json(*argv)
-    assert extended["meta"]["blocks"] == {"total": 6, "traced": [3, 4], "extended": True}
-    assert extended["notes"][0].startswith("traced 3 of 6 blocks, extended")
-    full = cli_json(*argv, "--full-depth")
+    extended, full = cli_extended_and_full(cli_json, argv, 6, "traced 3 of 6 blocks, extended")
     assert "blocks" not in full["meta"]
-    assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
     assert extended["meta"]["model"] == full["meta"]["model"] == "gpt2:config"
     code, out, _ = cli(*argv)
     assert code == 0 and "traced 3 of 6 blocks, extended" in " ".join(out.split())

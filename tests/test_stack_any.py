@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_stack import assert_same_ledger
+from tests.test_stack import assert_same_ledger, cli_extended_and_full
 from trainledger.trace import trace, trace_stacked
 from trainledger.trace._stack import Stack
 from trainledger.workload import Workload
@@ -227,11 +227,8 @@ def test_cli_extends_bert_and_equals_the_full_depth(tmp_path: Path, cli_json):
     path.write_text(json.dumps(cfg))
     before = path.read_bytes()
     argv = ("trace", "--hf-config", str(path), "--fake", "--seq-len", "16")
-    extended = cli_json(*argv)
-    assert extended["meta"]["blocks"] == {"total": 6, "traced": [3, 4], "extended": True}
-    assert extended["notes"][0].startswith("traced 3 of 6 blocks, extended: the block stack (bert.encoder.layer)")
-    full = cli_json(*argv, "--full-depth")
-    assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
+    note = "traced 3 of 6 blocks, extended: the block stack (bert.encoder.layer)"
+    extended, full = cli_extended_and_full(cli_json, argv, 6, note)
     assert extended["num_params"] == full["num_params"]
     assert path.read_bytes() == before
 
@@ -239,12 +236,9 @@ def test_cli_extends_bert_and_equals_the_full_depth(tmp_path: Path, cli_json):
 def test_cli_extends_a_timm_vit_and_equals_the_full_depth(cli_json):
     _timm()
     argv = ("trace", "--timm", VIT, "--fake", "--image-size", "32", "--micro-batch", "2", "--dtype", "fp32")
-    extended = cli_json(*argv)
-    assert extended["meta"]["blocks"] == {"total": 12, "traced": [3, 4], "extended": True}
-    assert extended["notes"][0].startswith("traced 3 of 12 blocks, extended: the block stack (inner.blocks)")
-    full = cli_json(*argv, "--full-depth")
+    note = "traced 3 of 12 blocks, extended: the block stack (inner.blocks)"
+    extended, full = cli_extended_and_full(cli_json, argv, 12, note)
     assert "blocks" not in full["meta"]
-    assert extended["peak"] == full["peak"] and extended["num_events"] == full["num_events"]
     assert extended["num_params"] == full["num_params"]
 
 

@@ -130,32 +130,36 @@ def _choose_task(tf: Any, raw: dict[str, Any], task: str | None) -> tuple[str, s
             if class_name in tables[t][model_type]:
                 return t, class_name
     if named:
-        missing = [n for n in named if not hasattr(tf, n)]
-        if missing:
-            raise InputError(
-                f"transformers {tf.__version__} has no model class {missing[0]!r} (the config's architectures); "
-                f"give a class it ships, or drop architectures and give --task, one of: "
-                f"{', '.join(offered) or 'none for ' + repr(model_type)}"
-            )
-        # the model types transformers builds that class for, the one its name starts with first
-        other = sorted(
-            {m for t in TASKS for m, classes in tables[t].items() if named[0] in classes},
-            key=lambda m: (not named[0].lower().startswith(m.replace("_", "").replace("-", "")), m),
-        )
-        if other and model_type not in other:
-            types = " or ".join(repr(m) for m in other[:3]) + (" or others" if len(other) > 3 else "")
-            raise InputError(
-                f"the config's architectures name {named[0]!r}, a class of model_type {types}, but its model_type is "
-                f"{model_type!r}: give a config whose model_type and architectures agree, or drop architectures "
-                f"and give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
-            )
-        raise InputError(
-            f"architecture {named[0]!r} is none of the tasks a batch can be made for; "
-            f"give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
-        )
+        raise _architectures_error(tf, named, model_type, tables, offered)
     if not offered:
         raise InputError(f"model_type {model_type!r} has no model for any of the tasks {', '.join(TASKS)}")
     return offered[0], tables[offered[0]][model_type][0]
+
+
+def _architectures_error(
+    tf: Any, named: list[str], model_type: str, tables: dict[str, dict[str, tuple[str, ...]]], offered: list[str]
+) -> InputError:
+    """Why no class the config's ``architectures`` names can be built for its ``model_type``."""
+    tasks = f"give --task, one of: {', '.join(offered) or 'none for ' + repr(model_type)}"
+    missing = [n for n in named if not hasattr(tf, n)]
+    if missing:
+        return InputError(
+            f"transformers {tf.__version__} has no model class {missing[0]!r} (the config's architectures); "
+            f"give a class it ships, or drop architectures and {tasks}"
+        )
+    # the model types transformers builds that class for, the one its name starts with first
+    other = sorted(
+        {m for t in TASKS for m, classes in tables[t].items() if named[0] in classes},
+        key=lambda m: (not named[0].lower().startswith(m.replace("_", "").replace("-", "")), m),
+    )
+    if other and model_type not in other:
+        types = " or ".join(repr(m) for m in other[:3]) + (" or others" if len(other) > 3 else "")
+        return InputError(
+            f"the config's architectures name {named[0]!r}, a class of model_type {types}, but its model_type is "
+            f"{model_type!r}: give a config whose model_type and architectures agree, or drop architectures "
+            f"and {tasks}"
+        )
+    return InputError(f"architecture {named[0]!r} is none of the tasks a batch can be made for; {tasks}")
 
 
 def load_any_config(path: str | Path | dict[str, Any], *, task: str | None = None) -> AnyConfig:

@@ -470,20 +470,21 @@ def _trace(
     named = list(model.named_parameters())
     parameters = [p for _, p in named]
 
-    zero_grad_began = [0]  # the event zero_grad began at
+    zero_grad_began = 0  # the event zero_grad began at
 
     def on_phase(phase: str) -> None:
+        nonlocal zero_grad_began
         if phase == "optimizer":  # gradients exist now: name them before the optimizer runs
             for name, p in named:
                 if p.grad is not None:
                     tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{name}.grad")
         elif phase == "backward":
             scopes.backward_begins()
-        elif phase == "zero_grad" or (phase == "end" and tracer.num_events > zero_grad_began[0]):
+        elif phase == "zero_grad" or (phase == "end" and tracer.num_events > zero_grad_began):
             # masters' gradients and any state the step created (at the end, only if zero_grad ran an op:
             # without one it made no storage)
             mark_optimizer_outputs(tracer, model, optimizer, parameters=parameters)
-            zero_grad_began[0] = tracer.num_events
+            zero_grad_began = tracer.num_events
         if phase != "end":
             tracer.phase = phase
         if kernels is not None:

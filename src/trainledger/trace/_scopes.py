@@ -304,11 +304,7 @@ def label_graph(output: Any, name: str, call: int = NO_CALL, *, stop: set[int] =
             meta[CALL_LABEL] = call
         elif not label.startswith(prefix):
             continue
-        for nxt, _ in node.next_functions:  # a loop, not a generator: once per edge of every module's graph
-            if nxt is not None:
-                accumulates = _ACCUMULATES.get(type(nxt))
-                if not (_is_accumulate_grad(nxt) if accumulates is None else accumulates):
-                    stack.append(nxt)
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not _is_accumulate_grad(nxt))
 
 
 _ACCUMULATES: dict[type, bool] = {}
