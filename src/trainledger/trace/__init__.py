@@ -481,8 +481,7 @@ def _trace(
         elif phase == "backward":
             scopes.backward_begins()
         elif phase == "zero_grad" or (phase == "end" and tracer.num_events > zero_grad_began):
-            # masters' gradients and any state the step created (at the end, only if zero_grad ran an op:
-            # without one it made no storage)
+            # masters' gradients, any state the step made (at the end only if zero_grad ran an op: else it made none)
             mark_optimizer_outputs(tracer, model, optimizer, parameters=parameters)
             zero_grad_began = tracer.num_events
         if phase != "end":
