@@ -278,3 +278,34 @@ def test_a_family_config_naming_another_head_is_built_with_that_head(tmp_path, a
     assert in_analytic_family(argparse.Namespace(task=None, hf_config=str(path))) is analytic
     cfg = load_any_config(path)
     assert (cfg.task, cfg.class_name) == (task, architecture)
+
+
+def test_small_instance_is_the_architecture_shallow_and_narrow():
+    from trainledger.anymodel import build_any_model, small_instance
+
+    cfg = load_any_config(FIXTURES / "bert-large.json")
+    small, what = small_instance(cfg)
+    model = build_any_model(small)
+    assert type(model).__name__ == cfg.class_name
+    assert len(model.bert.encoder.layer) == 3 and model.config.hidden_size == 64
+    assert model.config.num_attention_heads == 4 and model.config.intermediate_size == 128
+    # the vocabulary narrowed to 512 (its special tokens below it): 512 x 64 word embeddings
+    assert model.bert.embeddings.word_embeddings.weight.shape == (512, 64)
+    assert what == "3 blocks deep, hidden_size 64, intermediate_size 128, num_attention_heads 4, vocab_size 512"
+    # an encoder-decoder's second stack is cut too; its key-value width follows the heads
+    t5, _ = small_instance(load_any_config(FIXTURES / "t5-base.json"))
+    t5_model = build_any_model(t5)
+    assert len(t5_model.encoder.block) == 3 and len(t5_model.decoder.block) == 3
+    assert t5_model.config.d_model == 64 and t5_model.config.num_heads * t5_model.config.d_kv == 64
+
+
+def test_small_instance_keeps_widths_a_narrower_config_cannot_build_with():
+    from trainledger.anymodel import build_any_model, small_instance
+
+    raw = {"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 256, "hidden_size": 96,
+           "num_hidden_layers": 6, "num_attention_heads": 3, "intermediate_size": 128}  # fmt: skip
+    # hidden 64 with 3 heads does not divide: only the depth is cut
+    small, what = small_instance(load_any_config(raw))
+    model = build_any_model(small)
+    assert len(model.bert.encoder.layer) == 3 and model.config.hidden_size == 96
+    assert what == "3 blocks deep, its widths the config's (a narrower one does not build)"

@@ -172,12 +172,9 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
 def test_bad_configs_are_one_line_exit_2(cli, tmp_path, content, fragment):
     f = tmp_path / "config.json"
     f.write_text(content)
-    commands = (
-        ["estimate"],
-        ["fit", "--device-memory", "80GiB"],
-        ["plan", "--fake", "--budget", "60%"],  # plan and pareto build the analytic families' step
-        ["pareto", "--fake"],
-    )
+    commands = [["estimate"], ["fit", "--device-memory", "80GiB"]]
+    if "outside the analytic model" not in fragment:  # plan and pareto build any architecture (test_plan_full)
+        commands += [["plan", "--fake", "--budget", "60%"], ["pareto", "--fake"]]
     for command in commands:
         code, out, err = cli(*command, "--hf-config", str(f))
         assert code == 2

@@ -172,3 +172,63 @@ def test_cli_plan_model_fake_compares_gradients_on_the_real_model(cli_json):
     assert v["agrees"] and v["within_budget"] and v["passed"]
     assert v["gradients_bitwise_equal"] and v["num_gradients"] > 0  # gpt-tiny's weights are real
     assert out["extra_seconds"] is None and out["extra_flops"] > 0  # FLOPs counted, nothing timed
+
+
+# --- architectures outside the analytic families: built whole by trainledger.anymodel ---------------------
+
+
+def _small_instance_model(config: Path):
+    from trainledger.anymodel import build_any_model, load_any_config, small_instance
+
+    return build_any_model(small_instance(load_any_config(config))[0])
+
+
+def test_cli_plan_any_architecture_at_full_size_is_verified_on_a_small_instance(cli_json):
+    out = cli_json(
+        "plan", "--hf-config", str(FIXTURES / "bert-tiny.json"), "--fake", "--micro-batch", "8", "--budget", "60%",
+        "--verify",
+    )  # fmt: skip
+    assert out["predicted_peak_bytes"] <= out["budget_bytes"] < out["plain_peak_bytes"]
+    assert out["regions"] and all(r["path"].startswith("bert.encoder.layer.") for r in out["regions"])
+    v = out["verification"]
+    assert v["agrees"] and v["within_budget"] and v["passed"] and not v["regions_not_run"]
+    # every trainable tensor of the small instance compared, bit for bit, with its plain step's
+    small = _small_instance_model(FIXTURES / "bert-tiny.json")
+    assert v["gradients_bitwise_equal"] and v["num_gradients"] == sum(1 for p in small.parameters() if p.requires_grad)
+    assert v["state_bitwise_equal"] and v["num_state_tensors"] > v["num_gradients"]
+    assert any("small instance" in n and "2 blocks deep, vocab_size 512" in n for n in out["plan_notes"])
+
+
+@pytest.mark.slow
+def test_cli_plan_encoder_decoder_recomputes_blocks_of_both_stacks(cli_json):
+    out = cli_json(
+        "plan", "--hf-config", str(FIXTURES / "t5-tiny.json"), "--fake", "--micro-batch", "8", "--budget", "60%",
+        "--verify",
+    )  # fmt: skip
+    stacks = {r["path"].rsplit(".", 1)[0] for r in out["regions"] if r["path"][-1].isdigit()}
+    assert {"encoder.block", "decoder.block"} <= stacks, out["regions"]
+    v = out["verification"]
+    assert v["agrees"] and v["within_budget"] and v["passed"] and not v["regions_not_run"]
+    assert v["gradients_bitwise_equal"] and v["num_gradients"] > 0 and v["state_bitwise_equal"]
+
+
+@pytest.mark.slow
+def test_cli_pareto_any_architecture_at_full_size(cli_json):
+    out = cli_json("pareto", "--hf-config", str(FIXTURES / "bert-tiny.json"), "--fake", "--micro-batch", "8",
+                   "--budgets", "3")  # fmt: skip
+    rows = [r for r in out["rows"] if r["ours"] is not None]
+    assert len(rows) >= 2 and all(r["ours"]["peak_bytes"] <= r["budget_bytes"] for r in rows)
+    assert min(r["ours"]["peak_bytes"] for r in rows) < out["plain_peak_bytes"]
+
+
+def test_cli_plan_flags_of_a_config_step_refused_with_model(cli):
+    for flags in (("--micro-batch", "4"), ("--task", "masked-lm"), ("--image-size", "64")):
+        code, out, err = cli("plan", "--model", "gpt-tiny", "--budget", "90%", *flags)
+        assert code == 2 and out == "" and flags[0] in err and "Traceback" not in err, (flags, err)
+
+
+def test_cli_plan_of_a_config_fake_tensors_cannot_run_says_to_plan_a_real_step(cli):
+    # Wav2Vec2 reads a random draw in training (LayerDrop): no fake step, so no plan from its config
+    code, out, err = cli("plan", "--hf-config", str(FIXTURES / "wav2vec2-ctc.json"), "--fake", "--budget", "80%")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "data-dependent shapes" in err and "--model file.py:factory" in err

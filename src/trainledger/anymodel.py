@@ -353,6 +353,72 @@ def at_depth(cfg: AnyConfig, depth: Depth, blocks: int) -> AnyConfig:
     return replace(cfg, raw=raw)
 
 
+_SMALL_WIDTHS: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "projection_dim"), 64),
+    **dict.fromkeys(("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner"), 128),
+    **dict.fromkeys(("num_attention_heads", "num_heads", "n_head", "encoder_attention_heads"), 4),
+    "decoder_attention_heads": 4,
+    **dict.fromkeys(("head_dim", "d_kv"), 16),
+}
+"""A small instance's widths, by the names configs keep them under (the text and vision sub-configs' too): a
+real step of the architecture runs here in seconds at these."""
+_SMALL_VOCAB = 512
+_SMALL_DEPTH = 3
+_OTHER_DEPTH_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers", "num_hidden_layers")
+"""Depths of other stacks (an encoder–decoder's second, a sub-config's), cut to :data:`_SMALL_DEPTH` too."""
+
+
+def _narrowed(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the widths of :data:`_SMALL_WIDTHS` where it sets them larger, key–value heads in the same
+    ratio to the heads, a vocabulary of 512 that still holds every special token, and its sub-configs alike."""
+    out = dict(raw)
+    for key, small in _SMALL_WIDTHS.items():
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > small:
+            out[key] = small
+    heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads > 0 and out["num_attention_heads"] != heads:
+        out["num_key_value_heads"] = max(1, out["num_attention_heads"] * kv // heads)
+    special = [v for k, v in raw.items() if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool)]
+    vocab = raw.get("vocab_size")
+    if isinstance(vocab, int) and vocab > _SMALL_VOCAB and max(special, default=0) < _SMALL_VOCAB:
+        out["vocab_size"] = _SMALL_VOCAB
+    for key in _OTHER_DEPTH_KEYS:
+        depth = raw.get(key)
+        if isinstance(depth, int) and not isinstance(depth, bool) and depth > _SMALL_DEPTH:
+            out[key] = _SMALL_DEPTH
+    for key, value in raw.items():
+        if key.endswith("_config") and isinstance(value, dict):
+            out[key] = _narrowed(value)
+    return out
+
+
+def small_instance(cfg: AnyConfig) -> tuple[AnyConfig, str]:
+    """``cfg``'s architecture 3 blocks deep and narrow (see :data:`_SMALL_WIDTHS`), its other settings kept: a
+    real instance on which a plan made at full size can be run and its gradients compared. Where the narrow
+    config does not build (widths some other setting depends on), only the depth is cut. Returns the config
+    and what it is, in words.
+
+    Example:
+        >>> cfg = load_any_config({"model_type": "bert", "architectures": ["BertForMaskedLM"],
+        ...     "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096})
+        >>> small, what = small_instance(cfg)
+        >>> small.raw["hidden_size"], small.raw["num_hidden_layers"], what
+        (64, 3, '3 blocks deep, hidden_size 64, num_attention_heads 4, intermediate_size 128')
+    """
+    depth = depth_of(cfg)
+    shallow = at_depth(cfg, depth, min(_SMALL_DEPTH, depth.num_layers)) if depth is not None else cfg
+    deep = f"{shallow.raw[depth.key]} blocks deep" if depth is not None else "its depths at most 3"
+    narrow = replace(shallow, raw=_narrowed(shallow.raw))
+    try:
+        skeleton(narrow)
+    except (InputError, ValueError, RuntimeError, TypeError, AssertionError):
+        return shallow, f"{deep}, its widths the config's (a narrower one does not build)"
+    changed = [f"{k} {v}" for k, v in narrow.raw.items() if not isinstance(v, dict) and v != shallow.raw.get(k)]
+    changed = [c for c in changed if not c.startswith(tuple(_OTHER_DEPTH_KEYS))]
+    return narrow, ", ".join([deep, *changed])
+
+
 def skeleton(cfg: AnyConfig, *, dtype: torch.dtype = torch.float32, image_size: int | None = None) -> nn.Module:
     """The task's model of ``cfg`` on the meta device: its modules, no memory, nothing run."""
     return build_any_model(cfg, dtype=dtype, image_size=image_size, mode=torch.device("meta"))

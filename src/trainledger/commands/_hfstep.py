@@ -6,32 +6,58 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+
+from trainledger.analytic import FAMILIES, load_config_file
 from trainledger.commands.common import add_model_flag, flags_verb, positive_int
-from trainledger.commands.estimate import (
-    STEP_DEFAULTS,
-    add_step_flags,
-    check_analytic_family,
-    check_lora_flags,
-    setup_from,
-)
+from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
 from trainledger.errors import InputError
 from trainledger.sources import load_workload
 from trainledger.workload import Workload
 
 if TYPE_CHECKING:
+    from trainledger.anymodel import AnyConfig
     from trainledger.hf import HFConfig
 
+TASK_NAMES = (
+    "causal-lm",
+    "seq2seq",
+    "masked-lm",
+    "sequence-classification",
+    "token-classification",
+    "question-answering",
+    "image-classification",
+    "semantic-segmentation",
+    "speech-seq2seq",
+    "ctc",
+    "audio-classification",
+    "contrastive",
+)
+"""The tasks of ``--task`` (:data:`trainledger.anymodel.TASKS`, named here so that ``--help`` imports no torch)."""
 
-def add_step_source_flags(p: argparse.ArgumentParser) -> None:
-    """``--model``, or ``--hf-config`` with the step flags; ``--world``/``--stage``; ``--fake``."""
+
+def add_step_source_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--model``, or ``--hf-config`` with the step flags; ``--world``/``--stage``; ``--fake``; ``--task`` and
+    ``--image-size`` for architectures outside the analytic families. Returns the group of the last two."""
     add_model_flag(p, unless="--hf-config")
     hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
     hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
     add_step_flags(hf, unset=True)
+    anymodel = p.add_argument_group("architectures outside the analytic families (built whole, on fake tensors too)")
+    anymodel.add_argument(
+        "--task",
+        choices=tuple(TASK_NAMES),
+        metavar="TASK",
+        help=f"the model trained: {', '.join(TASK_NAMES)} (default: the config's architectures)",
+    )
+    anymodel.add_argument(
+        "--image-size", type=positive_int(), help="pixels per side for image classification (default: the config's)"
+    )
     sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
     sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
     sh.add_argument("--stage", default="0", help="ZeRO stage 0-3 or an FSDP strategy (default 0)")
     p.add_argument("--fake", action="store_true", help="run on fake tensors: same ops and shapes, nothing allocated")
+    return anymodel
 
 
 def given_step_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -40,22 +66,29 @@ def given_step_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **step: Any) -> Workload:
-    """The step the flags describe (``config``: this config instead of ``--hf-config``'s; ``step``: step
-    settings that replace the flags', as a small instance's sequence length)."""
+    """The step the flags describe (``config``: this config of an analytic family instead of ``--hf-config``'s;
+    ``step``: step settings that replace the flags', as a small instance's sequence length)."""
     if args.model and args.hf_config:
         raise InputError("give either --model or --hf-config, not both")
     given = given_step_flags(args)
+    if args.hf_config and config is None and not in_analytic_family(args):
+        return any_workload(args, {**given, **step})
+    if getattr(args, "image_size", None) is not None:
+        raise InputError("--image-size applies to a model that reads images (--task image-classification): drop it")
     if args.hf_config:
         from trainledger.hf import workload_from_setup
 
-        if config is None:  # plan's and pareto's step is built for the analytic families only (trace's is not)
-            check_analytic_family(args.hf_config)
         flags = argparse.Namespace(**{**STEP_DEFAULTS, **given, **step})
         check_lora_flags(flags)
         fake = step.get("fake", args.fake)
         return workload_from_setup(args.hf_config if config is None else config, setup_from(flags), fake=fake)
     if not args.model:
         raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
+    if getattr(args, "task", None) is not None:
+        raise InputError(
+            f"--task applies only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
+            "and batch: drop it"
+        )
     if given:
         flags = flags_verb(["--" + k.replace("_", "-") for k in given], "applies", "apply")
         raise InputError(
@@ -65,13 +98,70 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **
     return load_workload(args.model)
 
 
+def in_analytic_family(args: argparse.Namespace) -> bool:
+    """A causal-LM step of one of the analytic model's families: built by :mod:`trainledger.hf` (and traced a
+    few layers deep); any other architecture is built whole by :mod:`trainledger.anymodel`."""
+    if getattr(args, "task", None) not in (None, "causal-lm"):
+        return False
+    raw = load_config_file(args.hf_config)
+    if raw.get("model_type") not in FAMILIES:
+        return False
+    if getattr(args, "task", None) is None and raw.get("architectures"):  # LlamaForSequenceClassification
+        from trainledger.anymodel import load_any_config
+
+        return load_any_config(raw).task == "causal-lm"
+    return True
+
+
+def any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: AnyConfig | None = None) -> Workload:
+    """The step of an architecture outside the analytic families (its notes on stderr, one line each);
+    ``given``: the step flags given (``fake`` among them overrides ``--fake``); ``cfg``: the config to build
+    instead of ``--hf-config`` (the same at another depth, a small instance)."""
+    from trainledger.anymodel import IMAGE_ONLY_TASKS, default_seq_len, load_any_config, workload_from_any_config
+
+    cfg = cfg if cfg is not None else load_any_config(args.hf_config, task=args.task)
+    fake = given.pop("fake", args.fake)
+    step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
+    check_lora_flags(step)
+    if cfg.task in IMAGE_ONLY_TASKS and "seq_len" in given:
+        article = "an" if cfg.task[:1] in "aeiou" else "a"
+        raise InputError(f"--seq-len applies to sequences; {article} {cfg.task} model reads --image-size: drop it")
+    if "seq_len" not in given:
+        step.seq_len = default_seq_len(cfg, step.seq_len)
+    for note in cfg.notes:
+        Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
+    return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=fake)
+
+
 SMALL_STEP: dict[str, Any] = {"micro_batch": 2, "seq_len": 32, "fake": False}
 """The step of a small real instance (see :func:`small_workload`)."""
 
 
-def small_workload(args: argparse.Namespace) -> Workload:
+def small_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     """A real step of the ``--hf-config`` architecture, a few blocks deep and narrow, with the other step
-    flags kept: where a plan made on fake tensors at full size has its gradients compared."""
+    flags kept: where a plan made on fake tensors at full size has its gradients compared. Returns it and what
+    it is, for the report (``3 blocks, hidden 64, 2 sequences of 32 tokens``)."""
     from trainledger.commands._stacked import small_config
 
-    return workload_for(args, config=small_config(args.hf_config), **SMALL_STEP)
+    if in_analytic_family(args):
+        small = workload_for(args, config=small_config(args.hf_config), **SMALL_STEP)
+        return small, "3 blocks, hidden 64, 2 sequences of 32 tokens"
+    from trainledger.anymodel import IMAGE_ONLY_TASKS, load_any_config, small_instance
+
+    cfg, what = small_instance(load_any_config(args.hf_config, task=args.task))
+    step = dict(SMALL_STEP)
+    if cfg.task in IMAGE_ONLY_TASKS:
+        del step["seq_len"]
+    return any_workload(args, {**given_step_flags(args), **step}, cfg), f"{what}, {_small_batch(cfg.task)}"
+
+
+def _small_batch(task: str) -> str:
+    """A small instance's batch, in words."""
+    from trainledger.anymodel import IMAGE_ONLY_TASKS
+
+    if task in IMAGE_ONLY_TASKS:
+        return f"{SMALL_STEP['micro_batch']} images"
+    if task in ("speech-seq2seq", "ctc", "audio-classification"):
+        return f"{SMALL_STEP['micro_batch']} clips"
+    pairs = "image–text pairs" if task == "contrastive" else "sequences"
+    return f"{SMALL_STEP['micro_batch']} {pairs} of {SMALL_STEP['seq_len']} tokens"

@@ -18,13 +18,13 @@ from trainledger.commands.plan import (
     add_kernel_flags,
     budget_on,
     check_kernel_kind,
+    config_steps_run_fake,
     full_size,
     kernels_line,
     require_model,
     require_solvers,
 )
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
-from trainledger.sources import load_workload
 
 if TYPE_CHECKING:
     from trainledger.remat import ParetoResult, Point
@@ -72,11 +72,18 @@ def compute(args: argparse.Namespace) -> ParetoResult:
 
         sharding = Sharding(world_size=args.world, strategy=parse_strategy(args.stage))
         workload = workload_for(args)
-        return pareto(
-            workload, num_budgets=args.budgets, cost="flops", verify=args.verify, fake=True, sharding=sharding, **kinds
-        )
+        with config_steps_run_fake(args):
+            return pareto(
+                workload,
+                num_budgets=args.budgets,
+                cost="flops",
+                verify=args.verify,
+                fake=True,
+                sharding=sharding,
+                **kinds,
+            )
     require_model(args)
-    workload = load_workload(args.model)
+    workload = workload_for(args)  # refuses the flags that only a config's step takes
     return pareto(workload, num_budgets=args.budgets, cost=args.cost or "seconds", verify=args.verify, **kinds)
 
 

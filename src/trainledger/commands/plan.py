@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
@@ -18,7 +20,6 @@ from trainledger.commands.estimate import kernel_kind_of
 from trainledger.errors import InputError
 from trainledger.report.exports import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
-from trainledger.sources import load_workload
 
 if TYPE_CHECKING:
     from trainledger.remat import PlanResult
@@ -159,7 +160,7 @@ def compute(args: argparse.Namespace) -> PlanResult:
     if full_size(args, kind):
         return compute_fake(args, budget, kind)
     require_model(args)
-    workload = load_workload(args.model)
+    workload = workload_for(args)  # refuses the flags that only a config's step takes
     return plan_and_verify(
         workload,
         budget,
@@ -225,8 +226,24 @@ def fake_planner(args: argparse.Namespace, kind: str = "cpu") -> tuple[Any, Any,
     sharding = Sharding(world_size=args.world, strategy=parse_strategy(args.stage))
     workload = workload_for(args)
     gpu = args.device if kind == "cuda" else None
-    planner = Planner.build(workload, cost="flops", fake=True, kernel_kind=kind, cuda_device=gpu)  # type: ignore[arg-type]
+    with config_steps_run_fake(args):
+        planner = Planner.build(workload, cost="flops", fake=True, kernel_kind=kind, cuda_device=gpu)  # type: ignore[arg-type]
     return workload, planner, sharding
+
+
+@contextmanager
+def config_steps_run_fake(args: argparse.Namespace) -> Iterator[None]:
+    """A config's step that fake tensors cannot run: say that a plan of it needs ``--model`` (trace's advice,
+    to drop ``--fake``, does not apply to a plan made from a config)."""
+    try:
+        yield
+    except InputError as exc:
+        if not args.hf_config or "without --fake" not in str(exc):
+            raise
+        raise InputError(
+            f"{exc}; a plan from --hf-config is made on fake tensors: plan this model on a real step with "
+            "--model file.py:factory (at a size that fits here)"
+        ) from exc
 
 
 def _real_or_none(workload: Any) -> Any:
@@ -256,7 +273,7 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
     p = replace(p, extra_seconds=None)  # fake kernels compute nothing: their times mean nothing
     verification = None
     if args.verify:
-        small = small_workload(args) if args.hf_config else _real_or_none(workload)
+        small, what = small_workload(args) if args.hf_config else (_real_or_none(workload), "")
         verification = verify_fake(
             workload,
             p,
@@ -266,7 +283,7 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
             capacity_bytes=target.capacity_bytes,
             reserved_budget_bytes=reserved_budget,
         )
-        p = replace(p, notes=(*p.notes, verification_note(args, kind, small is not None)))
+        p = replace(p, notes=(*p.notes, verification_note(kind, small is not None, what)))
     costs = candidate_costs(planner.candidates, planner.model)
     state_floor = planner.state_floor_bytes if sharding.trivial else None
     baselines = planner.baselines(_per_rank_peak(planner, sharding), timed=False)
@@ -292,17 +309,18 @@ def _solve(args: argparse.Namespace, planner: Any, budget_bytes: int, sharding: 
     )
 
 
-def verification_note(args: argparse.Namespace, kind: str, compared: bool) -> str:
-    """What ``--verify`` re-traced, under which kernels, and where the gradients were compared."""
+def verification_note(kind: str, compared: bool, instance: str = "") -> str:
+    """What ``--verify`` re-traced, under which kernels, and where the gradients were compared (``instance``:
+    the small instance of a config's architecture they were compared on, in words; empty: the model itself)."""
     kernels = f"{kind} kernels" + (" substituted" if kind == "cuda" else "")
     traced = f"verification: the planned step traced again on fake tensors with {kernels} (the peak compared)"
     if not compared:
         return f"{traced}; gradients cannot be compared on a model built on fake tensors"
-    if args.hf_config:
+    if instance:
         return (
             f"{traced}; gradients and state compared on a real CPU step of a small instance of the architecture "
-            "(3 blocks, hidden 64, 2 sequences of 32 tokens) running the same plan by module path and policy "
-            "(block i as block i mod 3), with this machine's cpu kernels"
+            f"({instance}) running the same plan by module path and policy "
+            "(block i as block i mod its depth there), with this machine's cpu kernels"
         )
     return f"{traced}; gradients and state compared on a real CPU step of the model itself, with this machine's kernels"
 

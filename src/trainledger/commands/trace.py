@@ -11,16 +11,20 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.analytic import FAMILIES, load_config_file
 from trainledger.commands._gpu import Target, add_device_flags, device_line, reserved_text
-from trainledger.commands._hfstep import add_step_source_flags, given_step_flags, workload_for
+from trainledger.commands._hfstep import (
+    add_step_source_flags,
+    any_workload,
+    given_step_flags,
+    in_analytic_family,
+    workload_for,
+)
 from trainledger.commands._stacked import trace_hf_stacked, weights_numel
 from trainledger.commands.common import (
     add_json_flag,
     argparse_type,
     input_paths,
     parse_torch_device,
-    positive_int,
     print_json,
 )
 from trainledger.commands.estimate import STEP_DEFAULTS, check_lora_flags, setup_from
@@ -42,22 +46,6 @@ from trainledger.shard import parse_strategy
 from trainledger.trace import TraceReport
 from trainledger.workload import Workload
 
-TASK_NAMES = (
-    "causal-lm",
-    "seq2seq",
-    "masked-lm",
-    "sequence-classification",
-    "token-classification",
-    "question-answering",
-    "image-classification",
-    "semantic-segmentation",
-    "speech-seq2seq",
-    "ctc",
-    "audio-classification",
-    "contrastive",
-)
-"""The tasks of ``--task`` (:data:`trainledger.anymodel.TASKS`, named here so that ``--help`` imports no torch)."""
-
 if TYPE_CHECKING:
     from trainledger.hf import HFConfig
 
@@ -68,22 +56,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="trace one training step: every tensor's lifetime and the true simultaneous peak",
         description="Trace one steady-state training step (after a warm-up step) tensor by tensor.",
     )
-    add_step_source_flags(p)
-    anymodel = p.add_argument_group("architectures outside the analytic families (built whole, on fake tensors too)")
-    anymodel.add_argument(
-        "--task",
-        choices=tuple(TASK_NAMES),
-        metavar="TASK",
-        help=f"the model trained: {', '.join(TASK_NAMES)} (default: the config's architectures)",
-    )
+    anymodel = add_step_source_flags(p)
     anymodel.add_argument("--timm", metavar="NAME", help="a timm model by name, no pretrained weights (the timm extra)")
     anymodel.add_argument(
         "--diffusers-config",
         metavar="PATH",
         help="a diffusers model's local config.json, trained with the denoising loss (the diffusers extra)",
-    )
-    anymodel.add_argument(
-        "--image-size", type=positive_int(), help="pixels per side for image classification (default: the config's)"
     )
     p.add_argument(
         "--full-depth",
@@ -118,26 +96,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None) -> Workload:
-    """The step to trace: an architecture outside the analytic families, a timm or diffusers model, or
-    what :func:`workload_for` builds (``--model``, a family's ``--hf-config``)."""
+    """The step to trace: a timm or diffusers model, or what :func:`workload_for` builds (``--model``, a
+    ``--hf-config`` of any architecture)."""
     sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f)]
     if len(sources) > 1:
         raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
-    given = given_step_flags(args)
     if args.timm or args.diffusers_config:
-        return _vision_workload(args, given)
-    if args.hf_config and not in_analytic_family(args):
-        return _any_workload(args, given)
-    if args.image_size is not None:
-        raise InputError("--image-size applies to a model that reads images (--task image-classification): drop it")
+        return _vision_workload(args, given_step_flags(args))
     if not sources:
         raise InputError(
             "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
-        )
-    if args.model and args.task is not None:
-        raise InputError(
-            f"--task applies only to a Hugging Face step (--hf-config); --model {args.model} runs its own model "
-            "and batch: drop it"
         )
     if args.model and args.fake:
         from trainledger.trace import EmptyWeights
@@ -146,39 +114,6 @@ def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None)
         with EmptyWeights():
             return workload_for(args, config=config)
     return workload_for(args, config=config)
-
-
-def in_analytic_family(args: argparse.Namespace) -> bool:
-    """A causal-LM step of one of the analytic model's families: built by :mod:`trainledger.hf` and traced a
-    few layers deep; any other architecture is built whole by :mod:`trainledger.anymodel`."""
-    if args.task not in (None, "causal-lm"):
-        return False
-    raw = load_config_file(args.hf_config)
-    if raw.get("model_type") not in FAMILIES:
-        return False
-    if args.task is None and raw.get("architectures"):  # LlamaForSequenceClassification: not a causal LM
-        from trainledger.anymodel import load_any_config
-
-        return load_any_config(raw).task == "causal-lm"
-    return True
-
-
-def _any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: Any = None) -> Workload:
-    """The step of an architecture outside the analytic families (its notes on stderr, one line each);
-    ``cfg``: the config to build instead of ``--hf-config`` (the same at another depth)."""
-    from trainledger.anymodel import IMAGE_ONLY_TASKS, default_seq_len, load_any_config, workload_from_any_config
-
-    cfg = cfg if cfg is not None else load_any_config(args.hf_config, task=args.task)
-    step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
-    check_lora_flags(step)
-    if cfg.task in IMAGE_ONLY_TASKS and "seq_len" in given:
-        article = "an" if cfg.task[:1] in "aeiou" else "a"
-        raise InputError(f"--seq-len applies to sequences; {article} {cfg.task} model reads --image-size: drop it")
-    if "seq_len" not in given:
-        step.seq_len = default_seq_len(cfg, step.seq_len)
-    for note in cfg.notes:
-        Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
-    return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=args.fake)
 
 
 def _any_stack(args: argparse.Namespace) -> tuple[Any, Any] | None:
@@ -217,7 +152,8 @@ def _trace_any_stacked(args: argparse.Namespace, cfg: Any, depth: Any, **kwargs:
     def build(blocks: int) -> Workload:
         source = quiet if built else cfg  # the config's notes printed with the first build only
         built.append(blocks)
-        return _any_workload(args, given, source if blocks == depth.num_layers else at_depth(source, depth, blocks))
+        at = source if blocks == depth.num_layers else at_depth(source, depth, blocks)
+        return any_workload(args, dict(given), at)
 
     def skeleton_at(blocks: int) -> Any:
         return skeleton(at_depth(quiet, depth, blocks), image_size=args.image_size)
