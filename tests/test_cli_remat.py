@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from trainledger.remat import Plan
 
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 SMALL_GPT = """
 from trainledger.examples import gpt_tiny
 def small():
@@ -160,3 +162,23 @@ def test_missing_scipy_is_one_line_with_the_install_hint(cli, monkeypatch):
     code, out, err = cli("plan", "--model", "gpt-tiny", "--budget", "50%")
     assert code == 2 and "pip install 'trainledger[solve]'" in err and "scipy" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_trace_under_a_saved_plan_is_the_step_its_verification_traced(cli, cli_json, tmp_path):
+    saved = tmp_path / "plan.json"
+    planned = cli_json("plan", "--model", "gpt-tiny", "--budget", "60%", "--verify", "--save", str(saved))
+    plain = cli_json("trace", "--model", "gpt-tiny")
+    under = cli_json("trace", "--model", "gpt-tiny", "--plan", str(saved))
+    # the same planned step as --verify traced it, byte for byte, and below the plain step
+    assert under["peak"]["bytes"] == planned["verification"]["traced_peak_bytes"] < plain["peak"]["bytes"]
+    note = next(n for n in under["notes"] if n.startswith("traced under the plan"))
+    assert f"{len(planned['regions'])} region(s)" in note and "each ran" in note
+    # a plan made for another model is refused; the plan file is never an output
+    other = tmp_path / "other.json"
+    cli_json("plan", "--hf-config", str(FIXTURES / "bert-tiny.json"), "--fake", "--budget", "90%", "--save", str(other))
+    code, out, err = cli("trace", "--model", "gpt-tiny", "--plan", str(other))
+    assert code == 2 and out == "" and "does not have" in err
+    before = saved.read_bytes()
+    code, _, err = cli("trace", "--model", "gpt-tiny", "--plan", str(saved), "--export-json", str(saved))
+    assert code == 2 and "refusing to overwrite" in err and saved.read_bytes() == before

@@ -356,7 +356,7 @@ def at_depth(cfg: AnyConfig, depth: Depth, blocks: int) -> AnyConfig:
 _SMALL_WIDTHS: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "projection_dim"), 64),
     **dict.fromkeys(("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner"), 128),
-    **dict.fromkeys(("num_attention_heads", "num_heads", "n_head", "encoder_attention_heads"), 4),
+    **dict.fromkeys(("num_attention_heads", "num_heads", "n_head", "n_heads", "encoder_attention_heads"), 4),
     "decoder_attention_heads": 4,
     **dict.fromkeys(("head_dim", "d_kv"), 16),
 }
@@ -364,7 +364,7 @@ _SMALL_WIDTHS: dict[str, int] = {
 real step of the architecture runs here in seconds at these."""
 _SMALL_VOCAB = 512
 _SMALL_DEPTH = 3
-_OTHER_DEPTH_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers", "num_hidden_layers")
+_OTHER_DEPTH_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers", "num_hidden_layers", "n_layers")
 """Depths of other stacks (an encoder–decoder's second, a sub-config's), cut to :data:`_SMALL_DEPTH` too."""
 
 
@@ -408,15 +408,19 @@ def small_instance(cfg: AnyConfig) -> tuple[AnyConfig, str]:
     """
     depth = depth_of(cfg)
     shallow = at_depth(cfg, depth, min(_SMALL_DEPTH, depth.num_layers)) if depth is not None else cfg
-    deep = f"{shallow.raw[depth.key]} blocks deep" if depth is not None else "its depths at most 3"
     narrow = replace(shallow, raw=_narrowed(shallow.raw))
+    changed = {k: v for k, v in narrow.raw.items() if not isinstance(v, dict) and v != shallow.raw.get(k)}
+    if depth is not None:
+        deep = f"{shallow.raw[depth.key]} blocks deep"
+    else:  # several stacks, or the depth under a key of the config's own: what was cut, if anything
+        cut = [f"{k} {v}" for k, v in changed.items() if k in _OTHER_DEPTH_KEYS]
+        deep = ", ".join(cut) if cut else "its depth the config's"
     try:
         skeleton(narrow)
     except (InputError, ValueError, RuntimeError, TypeError, AssertionError):
         return shallow, f"{deep}, its widths the config's (a narrower one does not build)"
-    changed = [f"{k} {v}" for k, v in narrow.raw.items() if not isinstance(v, dict) and v != shallow.raw.get(k)]
-    changed = [c for c in changed if not c.startswith(tuple(_OTHER_DEPTH_KEYS))]
-    return narrow, ", ".join([deep, *changed])
+    widths = [f"{k} {v}" for k, v in changed.items() if k not in _OTHER_DEPTH_KEYS]
+    return narrow, ", ".join([deep, *widths])
 
 
 def skeleton(cfg: AnyConfig, *, dtype: torch.dtype = torch.float32, image_size: int | None = None) -> nn.Module:

@@ -47,6 +47,8 @@ def input_paths(args: argparse.Namespace) -> list[str]:
     for config in (getattr(args, "hf_config", None), getattr(args, "diffusers_config", None)):
         if config:
             given.append(str(Path(config) / "config.json") if Path(config).is_dir() else config)
+    if getattr(args, "plan", None):  # trace --plan FILE
+        given.append(args.plan)
     return given
 
 

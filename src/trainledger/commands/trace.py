@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --fake: the device a model built on the meta device is traced as (cpu, cuda; default cpu)",
     )
     p.add_argument("--measure", action="store_true", help="also run the real step with the allocator's counters")
+    p.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="trace the step under a saved plan (plan --save): what it keeps, recomputes and peaks at",
+    )
     p.add_argument(
         "--device-kind",
         default="cpu",
@@ -193,7 +199,6 @@ def _vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainledger.trace import trace
 
     if args.measure and args.fake:
         raise InputError("--measure runs the real step, --fake a step on fake tensors: drop one of them")
@@ -221,31 +226,8 @@ def run(args: argparse.Namespace) -> int:
             "--full-depth applies to a fake trace of a Hugging Face config or a timm model: add --hf-config or "
             "--timm, and --fake"
         )
-    at_full_size = args.hf_config and (args.fake or cuda) and not (args.full_depth or args.model)
-    stacked = at_full_size and in_analytic_family(args)
-    any_stack = _any_stack(args) if at_full_size and not stacked else None
-    timm_blocks = _timm_stack(args) if args.fake and not args.full_depth else None
-    workload = None if stacked or any_stack is not None or timm_blocks is not None else _trace_workload(args)
-    err = Console(stderr=True)
-    with _progress(err, quiet=not err.is_terminal) as progress:
-        if timm_blocks is not None:
-            ledger, num_params = _trace_timm_stacked(args, timm_blocks, progress=progress, **kinds)
-        elif any_stack is not None:
-            ledger, num_params = _trace_any_stacked(args, *any_stack, progress=progress, **kinds)
-        elif workload is None:
-            build_at = partial(_trace_workload, args)  # the same step, from the config at another depth
-            ledger, num_params = trace_hf_stacked(
-                args.hf_config, lambda cfg: build_at(config=cfg), progress=progress, **kinds
-            )
-        else:
-            num_params = sum(p.numel() for p in workload.model.parameters())
-            device = args.meta_device or "cpu"
-            ledger = trace(workload, fake=args.fake, progress=progress, device=device, **kinds)
-        measurement = None
-        if args.measure and workload is not None:
-            from trainledger.measure import measure
-
-            measurement = measure(workload)
+    plan = _saved_plan(args)
+    ledger, num_params, measurement = _traced(args, kinds, plan)
     sharded = None
     if args.world > 1 or strategy != "zero0":
         from trainledger.shard import shard
@@ -366,3 +348,72 @@ def _progress(console: Console, *, quiet: bool) -> Iterator[Callable[[str, int],
             status.update(f"tracing: {phase}, {num_events:,} events")
 
         yield update
+
+
+def _traced(args: argparse.Namespace, kinds: dict[str, Any], plan: Any) -> tuple[Any, int, Any]:
+    """The ledger of the step the flags describe (a few blocks deep and extended where it can be), its number of
+    parameters, and with ``--measure`` the measurement; with ``plan``, the step runs under it."""
+    from trainledger.trace import trace
+
+    cuda = args.device_kind == "cuda"
+    whole = args.full_depth or args.model or plan is not None  # a plan names the blocks of the whole model
+    at_full_size = args.hf_config and (args.fake or cuda) and not whole
+    stacked = at_full_size and in_analytic_family(args)
+    any_stack = _any_stack(args) if at_full_size and not stacked else None
+    timm_blocks = _timm_stack(args) if args.fake and not whole else None
+    workload = None if stacked or any_stack is not None or timm_blocks is not None else _trace_workload(args)
+    err = Console(stderr=True)
+    measurement = None
+    with _progress(err, quiet=not err.is_terminal) as progress:
+        if timm_blocks is not None:
+            ledger, num_params = _trace_timm_stacked(args, timm_blocks, progress=progress, **kinds)
+        elif any_stack is not None:
+            ledger, num_params = _trace_any_stacked(args, *any_stack, progress=progress, **kinds)
+        elif workload is None:
+            build_at = partial(_trace_workload, args)  # the same step, from the config at another depth
+            ledger, num_params = trace_hf_stacked(
+                args.hf_config, lambda cfg: build_at(config=cfg), progress=progress, **kinds
+            )
+        else:
+            num_params = sum(p.numel() for p in workload.model.parameters())
+            device = args.meta_device or "cpu"
+            with _under(plan, workload.model, args.plan) as noted:
+                ledger = trace(workload, fake=args.fake, progress=progress, device=device, **kinds)
+                if args.measure:
+                    from trainledger.measure import measure
+
+                    measurement = measure(workload)
+            ledger = replace(ledger, notes=(*ledger.notes, *noted))
+    return ledger, num_params, measurement
+
+
+def _saved_plan(args: argparse.Namespace) -> Any:
+    """``--plan FILE``'s plan (``None`` without it)."""
+    if not args.plan:
+        return None
+    from trainledger.remat import Plan
+
+    return Plan.load(args.plan)
+
+
+@contextmanager
+def _under(plan: Any, model: Any, path: str) -> Iterator[list[str]]:
+    """``model`` running under ``plan`` (read from ``path``; nothing without one) while the block runs; the list
+    it yields is filled, as it ends, with the note that says so."""
+    noted: list[str] = []
+    if plan is None:
+        yield noted
+        return
+    plan.apply(model)  # refuses a plan made for a model of another structure
+    try:
+        yield noted
+        runs = plan.runs(model)
+    finally:
+        plan.remove(model)
+    never = [r.label for r, n in runs.items() if not n]
+    labels = ", ".join(r.label for r in plan.regions[:6]) + (", …" if len(plan.regions) > 6 else "")
+    note = f"traced under the plan {path}: {len(plan.regions)} region(s) recomputed in backward ({labels})"
+    note += f"; never ran in the traced step: {', '.join(never)}" if never else "; each ran"
+    if plan.predicted_peak_bytes:
+        note += f"; it predicted a peak of {plan.predicted_peak_bytes:,} bytes for the step it was made on"
+    noted.append(note)
