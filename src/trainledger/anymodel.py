@@ -359,6 +359,9 @@ _SMALL_WIDTHS: dict[str, int] = {
     **dict.fromkeys(("num_attention_heads", "num_heads", "n_head", "n_heads", "encoder_attention_heads"), 4),
     "decoder_attention_heads": 4,
     **dict.fromkeys(("head_dim", "d_kv"), 16),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 64),
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "top_k"), 2),
 }
 """A small instance's widths, by the names configs keep them under (the text and vision sub-configs' too): a
 real step of the architecture runs here in seconds at these."""

@@ -148,6 +148,11 @@ _DTYPE_ALIASES = {
 }
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless ``n`` is 1 (``counted(1, "region")`` is ``1 region``)."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def parse_dtype(text: str) -> str:
     """Canonical dtype name from what users type: ``bf16`` → ``bfloat16``, ``torch.float32`` → ``float32``."""
     name = str(text).strip().lower().removeprefix("torch.")

@@ -41,6 +41,7 @@ from trainledger.remat._verify import (
     with_reserved,
 )
 from trainledger.shard import Strategy, shard
+from trainledger.units import counted
 from trainledger.workload import Workload
 
 _MAX_ROUNDS = 8
@@ -153,7 +154,7 @@ def solve_per_rank(
         raise InfeasibleBudget(
             f"budget {_both(budget_bytes)} per rank is below the floor {_both(floor_rank)}: the lowest peak any "
             f"plan reaches on the fullest rank ({sharding.label()}); the best plan recomputes "
-            f"{len(best.regions)} regions; raise the budget, add ranks or shard more (--stage 3)",
+            f"{counted(len(best.regions), 'region')}; raise the budget, add ranks or shard more (--stage 3)",
             budget_bytes=budget_bytes,
             floor_bytes=floor_rank,
             best=best,
@@ -320,7 +321,8 @@ def solve_reserved(
     raise InfeasibleReserved(
         f"budget {_both(budget_bytes)} on reserved memory is not met: the lowest predicted reserved peak reached "
         f"is {_both(fit.max_reserved_bytes)} (allocated {_both(plan.predicted_peak_bytes or 0)}, "
-        f"{len(plan.regions)} regions recomputed, after {len(tried)} rounds of lowering the allocated budget); "
+        f"{counted(len(plan.regions), 'region')} recomputed, after {len(tried)} rounds of lowering the allocated "
+        "budget); "
         "raise the budget, shard more, or try --allocator expandable_segments:True",
         budget_bytes=budget_bytes,
         floor_bytes=plan.floor_bytes or 0,

@@ -32,7 +32,7 @@ from trainledger.remat._reserved import ReservedFit
 from trainledger.remat._solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
 from trainledger.remat._verify import Verification
 from trainledger.trace import ForwardRecord, record_forward
-from trainledger.units import format_bytes
+from trainledger.units import counted, format_bytes
 from trainledger.workload import Workload, require_workload
 
 _FIXED_PLANS = ("sqrt-n", "uniform")
@@ -191,7 +191,7 @@ class Planner:
                 f"budget {_both(budget_bytes)} is below the floor {_both(self.floor_bytes)}: the lowest peak "
                 f"any plan reaches on this model (persistent state and the largest op's outputs alone are "
                 f"{_both(self.state_floor_bytes)}); the best plan recomputes "
-                f"{len(best.regions)} regions and peaks at {_both(best.predicted_peak_bytes or 0)}; "
+                f"{counted(len(best.regions), 'region')} and peaks at {_both(best.predicted_peak_bytes or 0)}; "
                 "raise the budget or shard the state",
                 budget_bytes=budget_bytes,
                 floor_bytes=self.floor_bytes,
