@@ -308,4 +308,21 @@ def test_small_instance_keeps_widths_a_narrower_config_cannot_build_with():
     small, what = small_instance(load_any_config(raw))
     model = build_any_model(small)
     assert len(model.bert.encoder.layer) == 3 and model.config.hidden_size == 96
-    assert what == "3 blocks deep, its widths the config's (a narrower one does not build)"
+    assert what == "3 blocks deep, its widths the config's (a narrower one does not run)"
+
+
+def test_small_instance_narrows_each_tower_of_an_image_text_model():
+    from trainledger.anymodel import build_any_model, small_instance
+
+    tower = {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 8, "num_hidden_layers": 6}
+    raw = {"model_type": "siglip", "architectures": ["SiglipModel"],
+           "text_config": {**tower, "vocab_size": 256, "projection_size": 256, "max_position_embeddings": 64},
+           "vision_config": {**tower, "image_size": 32, "patch_size": 8}}  # fmt: skip
+    small, what = small_instance(load_any_config(raw))
+    model = build_any_model(small)
+    for name in ("text_config", "vision_config"):
+        sub = getattr(model.config, name)
+        assert (sub.hidden_size, sub.num_hidden_layers, sub.num_attention_heads) == (64, 3, 4), name
+    # the text tower's projection follows its width, so that text and image embeddings still meet
+    assert model.config.text_config.projection_size == 64 and "text_config.projection_size 64" in what
+    assert what.startswith("text_config.num_hidden_layers 3, vision_config.num_hidden_layers 3")

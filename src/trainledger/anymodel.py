@@ -354,7 +354,7 @@ def at_depth(cfg: AnyConfig, depth: Depth, blocks: int) -> AnyConfig:
 
 
 _SMALL_WIDTHS: dict[str, int] = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "projection_dim"), 64),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "projection_dim", "projection_size"), 64),
     **dict.fromkeys(("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner"), 128),
     **dict.fromkeys(("num_attention_heads", "num_heads", "n_head", "n_heads", "encoder_attention_heads"), 4),
     "decoder_attention_heads": 4,
@@ -371,10 +371,20 @@ _OTHER_DEPTH_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers", "
 """Depths of other stacks (an encoder–decoder's second, a sub-config's), cut to :data:`_SMALL_DEPTH` too."""
 
 
-def _narrowed(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with the widths of :data:`_SMALL_WIDTHS` where it sets them larger, key–value heads in the same
-    ratio to the heads, a vocabulary of 512 that still holds every special token, and its sub-configs alike."""
+def _narrowed(raw: dict[str, Any], *, widths: bool = True) -> dict[str, Any]:
+    """``raw`` with every stack's depth cut to :data:`_SMALL_DEPTH` and (``widths``) the widths of
+    :data:`_SMALL_WIDTHS` where it sets them larger, key–value heads in the same ratio to the heads, a vocabulary
+    of 512 that still holds every special token; its sub-configs alike."""
     out = dict(raw)
+    for key in _OTHER_DEPTH_KEYS:
+        depth = raw.get(key)
+        if isinstance(depth, int) and not isinstance(depth, bool) and depth > _SMALL_DEPTH:
+            out[key] = _SMALL_DEPTH
+    for key, value in raw.items():
+        if key.endswith("_config") and isinstance(value, dict):
+            out[key] = _narrowed(value, widths=widths)
+    if not widths:
+        return out
     for key, small in _SMALL_WIDTHS.items():
         value = raw.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
@@ -386,21 +396,25 @@ def _narrowed(raw: dict[str, Any]) -> dict[str, Any]:
     vocab = raw.get("vocab_size")
     if isinstance(vocab, int) and vocab > _SMALL_VOCAB and max(special, default=0) < _SMALL_VOCAB:
         out["vocab_size"] = _SMALL_VOCAB
-    for key in _OTHER_DEPTH_KEYS:
-        depth = raw.get(key)
-        if isinstance(depth, int) and not isinstance(depth, bool) and depth > _SMALL_DEPTH:
-            out[key] = _SMALL_DEPTH
-    for key, value in raw.items():
-        if key.endswith("_config") and isinstance(value, dict):
-            out[key] = _narrowed(value)
+    return out
+
+
+def _changes(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """The settings ``after`` sets otherwise than ``before``, sub-configs' by their dotted names."""
+    out: list[tuple[str, Any]] = []
+    for key, value in after.items():
+        if isinstance(value, dict) and isinstance(before.get(key), dict):
+            out += _changes(before[key], value, f"{prefix}{key}.")
+        elif value != before.get(key):
+            out.append((f"{prefix}{key}", value))
     return out
 
 
 def small_instance(cfg: AnyConfig) -> tuple[AnyConfig, str]:
     """``cfg``'s architecture 3 blocks deep and narrow (see :data:`_SMALL_WIDTHS`), its other settings kept: a
     real instance on which a plan made at full size can be run and its gradients compared. Where the narrow
-    config does not build (widths some other setting depends on), only the depth is cut. Returns the config
-    and what it is, in words.
+    config does not build and run a forward on the meta device where the shallow one does (widths some other
+    setting depends on), only the depths are cut. Returns the config and what it is, in words.
 
     Example:
         >>> cfg = load_any_config({"model_type": "bert", "architectures": ["BertForMaskedLM"],
@@ -410,20 +424,30 @@ def small_instance(cfg: AnyConfig) -> tuple[AnyConfig, str]:
         (64, 3, '3 blocks deep, hidden_size 64, num_attention_heads 4, intermediate_size 128')
     """
     depth = depth_of(cfg)
-    shallow = at_depth(cfg, depth, min(_SMALL_DEPTH, depth.num_layers)) if depth is not None else cfg
-    narrow = replace(shallow, raw=_narrowed(shallow.raw))
-    changed = {k: v for k, v in narrow.raw.items() if not isinstance(v, dict) and v != shallow.raw.get(k)}
-    if depth is not None:
-        deep = f"{shallow.raw[depth.key]} blocks deep"
-    else:  # several stacks, or the depth under a key of the config's own: what was cut, if anything
-        cut = [f"{k} {v}" for k, v in changed.items() if k in _OTHER_DEPTH_KEYS]
-        deep = ", ".join(cut) if cut else "its depth the config's"
-    try:
-        skeleton(narrow)
-    except (InputError, ValueError, RuntimeError, TypeError, AssertionError):
-        return shallow, f"{deep}, its widths the config's (a narrower one does not build)"
-    widths = [f"{k} {v}" for k, v in changed.items() if k not in _OTHER_DEPTH_KEYS]
+    stack = at_depth(cfg, depth, min(_SMALL_DEPTH, depth.num_layers)) if depth is not None else cfg
+    shallow = replace(stack, raw=_narrowed(stack.raw, widths=False))
+    narrow = replace(stack, raw=_narrowed(stack.raw))
+    cut = [f"{k} {v}" for k, v in _changes(stack.raw, shallow.raw)]
+    deep = f"{stack.raw[depth.key]} blocks deep" if depth is not None else ", ".join(cut) or "its depth the config's"
+    widths = [f"{k} {v}" for k, v in _changes(shallow.raw, narrow.raw)]
+    # the narrow config is kept unless it fails where the shallow one does not (a forward may fail on the meta
+    # device for reasons of its own, as a read of a random draw: then neither says anything of the widths)
+    if widths and not _forward_runs(narrow) and _forward_runs(shallow):
+        return shallow, f"{deep}, its widths the config's (a narrower one does not run)"
     return narrow, ", ".join([deep, *widths])
+
+
+def _forward_runs(cfg: AnyConfig) -> bool:
+    """Whether the task's model of ``cfg`` builds and runs a forward to its loss on the meta device (shapes only,
+    nothing computed): widths that another setting depends on fail here."""
+    try:
+        model = skeleton(cfg)
+        batch = _batch(cfg, model, Setup(micro_batch=1, seq_len=8), torch.float32, torch.device("meta"), 0)
+        with torch.no_grad(), quiet_transformers():
+            out = model(**batch)
+        return getattr(out, "loss", None) is not None
+    except Exception:  # any failure of the model's own code: this config does not run
+        return False
 
 
 def skeleton(cfg: AnyConfig, *, dtype: torch.dtype = torch.float32, image_size: int | None = None) -> nn.Module:
