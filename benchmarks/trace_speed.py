@@ -22,7 +22,10 @@ variant once, so what load remains falls on all of them alike):
 - ``trace()``: the whole call (warm-up step, traced step, ledger, kernel-buffer probes); the first call of
   the process is shown apart, since it also runs the probes, which are cached per process after;
 - MemTracker: the step under ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same model
-  and optimizer.
+  and optimizer;
+- profiler: the step under ``torch.profiler.profile(activities=[CPU], profile_memory=True)``, PyTorch's other
+  way to see every op and allocation, timed with its exit (where it builds its events): whether it would make a
+  cheaper floor than a dispatch mode.
 
 The plain step and the no-op modes run with the cyclic collector paused, as ``trace()`` pauses it around
 the traced step: with it running, its collections (each walks the young objects, and the tracer makes some
@@ -198,8 +201,14 @@ def overhead(name: str) -> dict:
         with mt:
             run_step(w)
 
+    def under_profiler() -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+            run_step(w)
+
     times: dict[str, list[float]] = {
-        k: [] for k in ("plain", "noop", "noop_hooks", "traced_step", "trace", "memtracker")
+        k: [] for k in ("plain", "noop", "noop_hooks", "traced_step", "trace", "memtracker", "profiler")
     }
     _time_traced_steps(times["traced_step"])
     w = build(name)
@@ -211,6 +220,7 @@ def overhead(name: str) -> dict:
         times["plain"].append(_timed_quiet(lambda: run_step(w)))
         times["noop"].append(_timed_quiet(under_noop))
         times["noop_hooks"].append(_timed_quiet(under_noop_and_hooks))
+        times["profiler"].append(_timed_quiet(under_profiler))
         times["trace"].append(_timed(lambda: trace(w)))
         if memtracker_error is None:
             try:
@@ -258,10 +268,12 @@ def _ms(seconds: float) -> str:
 
 def _overhead_row(r: dict, label: str) -> str:
     if "error" in r:
-        return f"| {label} | error: {r['error']} |" + " |" * 14
+        return f"| {label} | error: {r['error']} |" + " |" * 15
     plain, n = r["plain_s"], r["events"]
     mt = r.get("memtracker_s")
     mt_ms, mt_ratio = (_ms(mt), f"{mt / plain:.2f}×") if isinstance(mt, float) else (str(mt), "")
+    prof = r.get("profiler_s")  # absent from revisions measured before it was
+    prof_ms = f"{_ms(prof)} ({prof / plain:.2f}×)" if prof is not None else "—"
     traced, noop = r["traced_step_s"], r["noop_s"]
     hooks = r.get("noop_hooks_s")  # absent from revisions measured before it was
     split = f"{(hooks - noop) / n * 1e6:.1f} | {(traced - hooks) / n * 1e6:.1f}" if hooks is not None else "— | —"
@@ -271,7 +283,7 @@ def _overhead_row(r: dict, label: str) -> str:
         f"{(traced - plain) / n * 1e6:.1f} | {(traced - noop) / n * 1e6:.1f} | {split} | "
         f"{_ms(r['trace_s'])} | {(r['trace_s'] - 2 * plain) / n * 1e6:.1f} | "
         f"{(r['trace_s'] - plain - traced) / n * 1e6:.1f} | {_ms(r['trace_first_s'])} | "
-        f"{mt_ms} | {mt_ratio} |"
+        f"{mt_ms} | {mt_ratio} | {prof_ms} |"
     )
 
 
@@ -288,8 +300,8 @@ def overhead_table(against: str | None = None) -> list[str]:
         "| model | events | plain step (ms) | no-op mode (ms) | traced step (ms) | ratio | µs/event | "
         "µs/event above no-op | of which hooks | of which dispatch hook | trace() (ms) | "
         "trace() µs/event beyond 2 plain steps | of which beside its steps | first trace() (ms) | "
-        "MemTracker step (ms) | MemTracker ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "MemTracker step (ms) | MemTracker ratio | profiler with memory (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_overhead_row(r, label) for label, r in rows]
     lines += [
