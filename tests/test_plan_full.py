@@ -232,3 +232,42 @@ def test_cli_plan_of_a_config_fake_tensors_cannot_run_says_to_plan_a_real_step(c
     code, out, err = cli("plan", "--hf-config", str(FIXTURES / "wav2vec2-ctc.json"), "--fake", "--budget", "80%")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "data-dependent shapes" in err and "--model file.py:factory" in err
+
+
+# --- a diffusers denoiser (the diffusers extra) --------------------------------------------------------------
+
+
+def test_small_diffusers_config_keeps_every_module_of_the_full_unet():
+    pytest.importorskip("diffusers")
+    import diffusers
+    import torch
+
+    from trainledger.analytic import load_config_file
+    from trainledger.vision import small_diffusers_config
+
+    raw = load_config_file(FIXTURES / "sd15-unet-diffusers.json")
+    small, what = small_diffusers_config(raw)
+
+    def build(config):
+        with torch.device("meta"):
+            return diffusers.UNet2DConditionModel.from_config({k: v for k, v in config.items() if k[0] != "_"})
+
+    full, narrow = build(raw), build(small)
+    # the same module paths, so that a plan made at full size applies to the small instance region for region
+    assert [n for n, _ in full.named_modules()] == [n for n, _ in narrow.named_modules()]
+    assert sum(p.numel() for p in narrow.parameters()) < sum(p.numel() for p in full.parameters()) / 50
+    assert small["block_out_channels"] == [32, 64, 128, 128] and "cross_attention_dim 32" in what
+
+
+@pytest.mark.slow
+def test_cli_plan_diffusers_config_at_full_size_is_verified(cli, cli_json):
+    pytest.importorskip("diffusers")
+    config = str(FIXTURES / "sd15-unet-tiny-diffusers.json")
+    out = cli_json("plan", "--diffusers-config", config, "--fake", "--micro-batch", "8", "--budget", "70%", "--verify")
+    assert out["predicted_peak_bytes"] <= out["budget_bytes"] < out["plain_peak_bytes"]
+    v = out["verification"]
+    assert v["agrees"] and v["within_budget"] and v["passed"] and not v["regions_not_run"]
+    assert v["gradients_bitwise_equal"] and v["num_gradients"] > 0 and v["state_bitwise_equal"]
+    assert any("small instance" in n and "latents of 16 pixels" in n for n in out["plan_notes"])
+    code, out_text, err = cli("plan", "--diffusers-config", config, "--budget", "70%")
+    assert code == 2 and out_text == "" and "add --fake" in err

@@ -130,17 +130,24 @@ def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: 
 
 
 def workload_from_diffusers_config(
-    path: str | Path, setup: Setup, *, latent_size: int | None = None, fake: bool = False, seed: int = 0
+    path: str | Path | dict[str, Any],
+    setup: Setup,
+    *,
+    latent_size: int | None = None,
+    fake: bool = False,
+    seed: int = 0,
 ) -> Workload:
     """One denoising training step of a diffusers model from its local ``config.json`` (no weights read).
 
     Arguments:
-        path: the model's ``config.json`` (its ``_class_name`` names the class) or a folder holding one.
+        path: the model's ``config.json`` (its ``_class_name`` names the class), a folder holding one, or the
+            config as a dict.
         setup: micro-batch, conditioning tokens (``seq_len``), precision recipe and optimizer.
         latent_size: latent pixels per side (default: the config's ``sample_size``).
         fake: build for a fake trace (full size, nothing allocated; see :func:`~trainledger.anymodel.build_fake`).
     """
-    raw = load_config_file(path)
+    raw = dict(path) if isinstance(path, dict) else load_config_file(path)
+    path = "config" if isinstance(path, dict) else path
     cls = _diffusers_class(raw)
     _check_fake(fake)
     side = latent_size or raw.get("sample_size") or 64
@@ -157,6 +164,51 @@ def workload_from_diffusers_config(
     batch = _diffusion_batch(inner, raw, setup, side, made_in, seed)
     name = f"{cls.__name__}:{Path(path).stem}"
     return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
+
+
+_SMALL_CHANNELS = 32
+"""The first block's channels in a small instance; the others keep their ratio to it."""
+_SMALL_GROUPS = 8
+_SMALL_HEADS = 4
+_SMALL_CONDITIONING = 32
+
+
+def small_diffusers_config(raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A diffusers model's config with the same blocks, narrow: the first block's channels 32 and the others in
+    the same ratio (a multiple of 8), 8 normalization groups, 4 attention heads (``attention_head_dim``: the
+    heads of SD 1.x's config, where that key counts them), a conditioning width of 32. A real step of it runs
+    here in seconds, every module path of the full model kept. Returns the config and what it is, in words.
+
+    Example:
+        >>> small, what = small_diffusers_config({"_class_name": "UNet2DConditionModel",
+        ...     "block_out_channels": [320, 640, 1280, 1280], "norm_num_groups": 32, "attention_head_dim": 8,
+        ...     "cross_attention_dim": 768})
+        >>> [small[k] for k in ("block_out_channels", "norm_num_groups", "attention_head_dim", "cross_attention_dim")]
+        [[32, 64, 128, 128], 8, 4, 32]
+    """
+    out = dict(raw)
+    channels = raw.get("block_out_channels")
+    if isinstance(channels, list) and channels and all(isinstance(c, int) and c > 0 for c in channels):
+        first = channels[0]
+        narrow = [
+            max(_SMALL_GROUPS, round(_SMALL_CHANNELS * c / first / _SMALL_GROUPS) * _SMALL_GROUPS) for c in channels
+        ]
+        if narrow[0] < first:
+            out["block_out_channels"] = narrow
+            if isinstance(raw.get("norm_num_groups"), int) and raw["norm_num_groups"] > _SMALL_GROUPS:
+                out["norm_num_groups"] = _SMALL_GROUPS
+    for key in ("attention_head_dim", "num_attention_heads"):
+        value = raw.get(key)
+        if isinstance(value, int) and value > _SMALL_HEADS:
+            out[key] = _SMALL_HEADS
+        elif isinstance(value, list) and any(isinstance(v, int) and v > _SMALL_HEADS for v in value):
+            out[key] = [min(v, _SMALL_HEADS) for v in value]
+    for key in ("cross_attention_dim", "joint_attention_dim", "caption_channels"):
+        value = raw.get(key)
+        if isinstance(value, int) and value > _SMALL_CONDITIONING:
+            out[key] = _SMALL_CONDITIONING
+    changed = [f"{k} {v}" for k, v in out.items() if v != raw.get(k)]
+    return out, ", ".join(changed) or "its widths the config's"
 
 
 def _timm_model(name: str, mode: Any, dtype: torch.dtype, seed: int, image_size: int | None, depth: int | None) -> Any:

@@ -37,8 +37,9 @@ TASK_NAMES = (
 
 
 def add_step_source_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--model``, or ``--hf-config`` with the step flags; ``--world``/``--stage``; ``--fake``; ``--task`` and
-    ``--image-size`` for architectures outside the analytic families. Returns the group of the last two."""
+    """``--model``, or ``--hf-config`` with the step flags; ``--world``/``--stage``; ``--fake``; ``--task``,
+    ``--diffusers-config`` and ``--image-size`` for architectures outside the analytic families. Returns the
+    group of the last three."""
     add_model_flag(p, unless="--hf-config")
     hf = p.add_argument_group("a Hugging Face architecture instead of --model (local config; nothing downloaded)")
     hf.add_argument("--hf-config", metavar="PATH", help="a local config.json or a folder holding one")
@@ -51,7 +52,14 @@ def add_step_source_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup
         help=f"the model trained: {', '.join(TASK_NAMES)} (default: the config's architectures)",
     )
     anymodel.add_argument(
-        "--image-size", type=positive_int(), help="pixels per side for image classification (default: the config's)"
+        "--diffusers-config",
+        metavar="PATH",
+        help="a diffusers model's local config.json, trained with the denoising loss (the diffusers extra)",
+    )
+    anymodel.add_argument(
+        "--image-size",
+        type=positive_int(),
+        help="pixels per side for image classification, latent pixels for a diffusers model (default: the config's)",
     )
     sh = p.add_argument_group("data-parallel sharding of the traced step (predicted per rank)")
     sh.add_argument("--world", type=positive_int(), default=1, help="data-parallel ranks (default 1)")
@@ -68,9 +76,13 @@ def given_step_flags(args: argparse.Namespace) -> dict[str, Any]:
 def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **step: Any) -> Workload:
     """The step the flags describe (``config``: this config of an analytic family instead of ``--hf-config``'s;
     ``step``: step settings that replace the flags', as a small instance's sequence length)."""
-    if args.model and args.hf_config:
-        raise InputError("give either --model or --hf-config, not both")
+    sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f, None)]
+    if len(sources) > 1:
+        flags = ", ".join("--" + f.replace("_", "-") for f in sources)
+        raise InputError(f"give one of {flags}, not {len(sources)}")
     given = given_step_flags(args)
+    if getattr(args, "timm", None) or getattr(args, "diffusers_config", None):
+        return vision_workload(args, {**given, **step})
     if args.hf_config and config is None and not in_analytic_family(args):
         return any_workload(args, {**given, **step})
     if getattr(args, "image_size", None) is not None:
@@ -133,6 +145,22 @@ def any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: AnyConfig
     return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=fake)
 
 
+def vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int | None = None) -> Workload:
+    """A timm classifier (``depth`` blocks deep where given) or a diffusers denoiser (``--seq-len``: the
+    denoiser's conditioning tokens, default 77); ``given``: the step flags given (``fake`` and ``config``, a
+    diffusers config as a dict, among them override ``--fake`` and ``--diffusers-config``)."""
+    from trainledger.vision import workload_from_diffusers_config, workload_from_timm
+
+    fake = given.pop("fake", args.fake)
+    config = given.pop("config", args.diffusers_config)
+    step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
+    check_lora_flags(step)
+    setup = setup_from(step)
+    if getattr(args, "timm", None):  # trace's flag alone
+        return workload_from_timm(args.timm, setup, image_size=args.image_size, fake=fake, depth=depth)
+    return workload_from_diffusers_config(config, setup, latent_size=args.image_size, fake=fake)
+
+
 SMALL_STEP: dict[str, Any] = {"micro_batch": 2, "seq_len": 32, "fake": False}
 """The step of a small real instance (see :func:`small_workload`)."""
 
@@ -143,6 +171,13 @@ def small_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     it is, for the report (``3 blocks, hidden 64, 2 sequences of 32 tokens``)."""
     from trainledger.commands._stacked import small_config
 
+    if args.diffusers_config:
+        from trainledger.vision import small_diffusers_config
+
+        raw, what = small_diffusers_config(load_config_file(args.diffusers_config))
+        small = vision_workload(args, {**given_step_flags(args), **SMALL_STEP, "config": raw})
+        side = args.image_size or raw.get("sample_size") or 64
+        return small, f"{what}, {SMALL_STEP['micro_batch']} latents of {side} pixels a side"
     if in_analytic_family(args):
         small = workload_for(args, config=small_config(args.hf_config), **SMALL_STEP)
         return small, "3 blocks, hidden 64, 2 sequences of 32 tokens"

@@ -110,7 +110,7 @@ def check_kernel_kind(args: argparse.Namespace) -> str:
                 "--cost seconds times this machine's kernels; --device-kind cuda plans with CUDA's, which do not run "
                 "here: the cost is FLOPs (drop --cost)"
             )
-        if args.hf_config:
+        if args.hf_config or args.diffusers_config:
             args.fake = True  # as trace: a CUDA-kind step runs on fake tensors, never built with values
     return kind
 
@@ -126,9 +126,9 @@ def add_cost_flag(p: argparse.ArgumentParser) -> None:
 
 
 def require_model(args: argparse.Namespace) -> None:
-    """``plan`` and ``pareto`` run a model: ``--model`` is required."""
+    """``plan`` and ``pareto`` run a model: ``--model`` is required (a config's step is planned on fake tensors)."""
     if not args.model:
-        raise InputError("give --model NAME|file.py:factory (see --help)")
+        raise InputError("give --model NAME|file.py:factory, or a config with --fake (see --help)")
 
 
 def budget_for(args: argparse.Namespace) -> Any:
@@ -207,7 +207,12 @@ def full_size(args: argparse.Namespace, kind: str = "cpu") -> bool:
     (``InputError`` otherwise)."""
     given = [
         f
-        for f, on in (("--hf-config", args.hf_config), ("--world", args.world > 1), ("--stage", args.stage != "0"))
+        for f, on in (
+            ("--hf-config", args.hf_config),
+            ("--diffusers-config", args.diffusers_config),
+            ("--world", args.world > 1),
+            ("--stage", args.stage != "0"),
+        )
         if on
     ]
     if given and not args.fake and kind != "cuda":
@@ -238,10 +243,10 @@ def config_steps_run_fake(args: argparse.Namespace) -> Iterator[None]:
     try:
         yield
     except InputError as exc:
-        if not args.hf_config or "without --fake" not in str(exc):
+        if not (args.hf_config or args.diffusers_config) or "without --fake" not in str(exc):
             raise
         raise InputError(
-            f"{exc}; a plan from --hf-config is made on fake tensors: plan this model on a real step with "
+            f"{exc}; a plan from a config is made on fake tensors: plan this model on a real step with "
             "--model file.py:factory (at a size that fits here)"
         ) from exc
 
@@ -273,7 +278,8 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
     p = replace(p, extra_seconds=None)  # fake kernels compute nothing: their times mean nothing
     verification = None
     if args.verify:
-        small, what = small_workload(args) if args.hf_config else (_real_or_none(workload), "")
+        configured = args.hf_config or args.diffusers_config
+        small, what = small_workload(args) if configured else (_real_or_none(workload), "")
         verification = verify_fake(
             workload,
             p,

@@ -18,6 +18,7 @@ from trainledger.commands._hfstep import (
     any_workload,
     given_step_flags,
     in_analytic_family,
+    vision_workload,
     workload_for,
 )
 from trainledger.commands._stacked import trace_hf_stacked, weights_numel
@@ -28,7 +29,6 @@ from trainledger.commands.common import (
     parse_torch_device,
     print_json,
 )
-from trainledger.commands.estimate import STEP_DEFAULTS, check_lora_flags, setup_from
 from trainledger.devices import kernel_kind
 from trainledger.errors import InputError
 from trainledger.ledger import LedgerSummary
@@ -59,11 +59,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     anymodel = add_step_source_flags(p)
     anymodel.add_argument("--timm", metavar="NAME", help="a timm model by name, no pretrained weights (the timm extra)")
-    anymodel.add_argument(
-        "--diffusers-config",
-        metavar="PATH",
-        help="a diffusers model's local config.json, trained with the denoising loss (the diffusers extra)",
-    )
     p.add_argument(
         "--full-depth",
         action="store_true",
@@ -108,7 +103,7 @@ def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None)
     if len(sources) > 1:
         raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
     if args.timm or args.diffusers_config:
-        return _vision_workload(args, given_step_flags(args))
+        return vision_workload(args, given_step_flags(args))
     if not sources:
         raise InputError(
             "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
@@ -176,26 +171,13 @@ def _trace_timm_stacked(args: argparse.Namespace, num_blocks: int, **kwargs: Any
     given = given_step_flags(args)
 
     def build(blocks: int) -> Workload:
-        return _vision_workload(args, given, depth=None if blocks == num_blocks else blocks)
+        return vision_workload(args, given, depth=None if blocks == num_blocks else blocks)
 
     def skeleton_at(blocks: int) -> Any:
         return timm_skeleton(args.timm, image_size=args.image_size, depth=None if blocks == num_blocks else blocks)
 
     ledger = trace_stacked(build, num_blocks, fake=True, skeleton=skeleton_at, **kwargs)
     return ledger, weights_numel(ledger)
-
-
-def _vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int | None = None) -> Workload:
-    """A timm classifier (``depth`` blocks deep where given) or a diffusers denoiser (``--seq-len``: the
-    denoiser's conditioning tokens, default 77)."""
-    from trainledger.vision import workload_from_diffusers_config, workload_from_timm
-
-    step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
-    check_lora_flags(step)
-    setup = setup_from(step)
-    if args.timm:
-        return workload_from_timm(args.timm, setup, image_size=args.image_size, fake=args.fake, depth=depth)
-    return workload_from_diffusers_config(args.diffusers_config, setup, latent_size=args.image_size, fake=args.fake)
 
 
 def run(args: argparse.Namespace) -> int:
