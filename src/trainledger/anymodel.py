@@ -481,7 +481,7 @@ def _check_step(cfg: AnyConfig, setup: Setup, image_size: int | None, fake: bool
     if given:
         raise InputError(
             f"{', '.join(given)}: only for the analytic families' causal-LM step; a {cfg.model_type} "
-            f"{cfg.task} step is traced plain: drop them"
+            f"{cfg.task} step is traced plain: drop {'it' if len(given) == 1 else 'them'}"
         )
     if image_size is not None and (not isinstance(image_size, int) or image_size < 1):
         raise InputError(f"image size {image_size!r} must be a whole number of pixels above 0, e.g. 224")
