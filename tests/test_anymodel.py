@@ -326,3 +326,15 @@ def test_small_instance_narrows_each_tower_of_an_image_text_model():
     # the text tower's projection follows its width, so that text and image embeddings still meet
     assert model.config.text_config.projection_size == 64 and "text_config.projection_size 64" in what
     assert what.startswith("text_config.num_hidden_layers 3, vision_config.num_hidden_layers 3")
+
+
+def test_small_instance_keeps_the_ratio_of_key_value_heads_whatever_the_config_calls_them():
+    from trainledger.anymodel import build_any_model, small_instance
+
+    raw = {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "vocab_size": 1000, "hidden_size": 1024,
+           "num_hidden_layers": 8, "num_attention_heads": 32, "num_kv_heads": 8, "new_decoder_architecture": True,
+           "bos_token_id": 11, "eos_token_id": 11}  # fmt: skip
+    small, what = small_instance(load_any_config(raw))
+    model = build_any_model(small)
+    assert (model.config.num_attention_heads, model.config.num_kv_heads) == (4, 1)
+    assert what == "3 blocks deep, vocab_size 512, hidden_size 64, num_attention_heads 4, num_kv_heads 1"

@@ -271,3 +271,18 @@ def test_cli_plan_diffusers_config_at_full_size_is_verified(cli, cli_json):
     assert any("small instance" in n and "latents of 16 pixels" in n for n in out["plan_notes"])
     code, out_text, err = cli("plan", "--diffusers-config", config, "--budget", "70%")
     assert code == 2 and out_text == "" and "add --fake" in err
+
+
+@pytest.mark.slow
+def test_cli_plan_verify_refuses_a_small_instance_too_large_to_step(cli, tmp_path):
+    # 3 heads do not divide a width of 64: the instance keeps the config's widths, 350 million parameters
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 256, "hidden_size": 3072,
+        "num_hidden_layers": 30, "num_attention_heads": 3, "intermediate_size": 12288, "max_position_embeddings": 64,
+    }))  # fmt: skip
+    code, out, err = cli(
+        "plan", "--hf-config", str(config), "--fake", "--budget", "100%", "--verify", "--seq-len", "16"
+    )
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "350,300,416 parameters" in err and "drop --verify" in err

@@ -365,6 +365,8 @@ _SMALL_WIDTHS: dict[str, int] = {
 }
 """A small instance's widths, by the names configs keep them under (the text and vision sub-configs' too): a
 real step of the architecture runs here in seconds at these."""
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+"""The names configs give their key–value heads (Llama's, Falcon's, ChatGLM's)."""
 _SMALL_VOCAB = 512
 _SMALL_DEPTH = 3
 _OTHER_DEPTH_KEYS = ("num_decoder_layers", "encoder_layers", "decoder_layers", "num_hidden_layers", "n_layers")
@@ -389,9 +391,14 @@ def _narrowed(raw: dict[str, Any], *, widths: bool = True) -> dict[str, Any]:
         value = raw.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
             out[key] = small
-    heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and heads > 0 and out["num_attention_heads"] != heads:
-        out["num_key_value_heads"] = max(1, out["num_attention_heads"] * kv // heads)
+    for head_key in ("num_attention_heads", "n_head"):
+        heads = raw.get(head_key)
+        if not isinstance(heads, int) or heads <= 0 or out[head_key] == heads:
+            continue
+        for kv_key in _KV_HEADS:  # grouped-query attention: key-value heads in the same ratio to the heads
+            kv = raw.get(kv_key)
+            if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0:
+                out[kv_key] = max(1, out[head_key] * kv // heads)
     special = [v for k, v in raw.items() if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool)]
     vocab = raw.get("vocab_size")
     if isinstance(vocab, int) and vocab > _SMALL_VOCAB and max(special, default=0) < _SMALL_VOCAB:

@@ -163,6 +163,8 @@ def vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int 
 
 SMALL_STEP: dict[str, Any] = {"micro_batch": 2, "seq_len": 32, "fake": False}
 """The step of a small real instance (see :func:`small_workload`)."""
+SMALL_MAX_PARAMETERS = 200_000_000
+"""The most parameters a small instance may have: a real fp32 step with AdamW state holds 16 bytes of each."""
 
 
 def small_workload(args: argparse.Namespace) -> tuple[Workload, str]:
@@ -181,9 +183,15 @@ def small_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     if in_analytic_family(args):
         small = workload_for(args, config=small_config(args.hf_config), **SMALL_STEP)
         return small, "3 blocks, hidden 64, 2 sequences of 32 tokens"
-    from trainledger.anymodel import IMAGE_ONLY_TASKS, load_any_config, small_instance
+    from trainledger.anymodel import IMAGE_ONLY_TASKS, load_any_config, skeleton, small_instance
 
     cfg, what = small_instance(load_any_config(args.hf_config, task=args.task))
+    numel = sum(p.numel() for p in skeleton(cfg, image_size=args.image_size).parameters())
+    if numel > SMALL_MAX_PARAMETERS:
+        raise InputError(
+            f"--verify compares gradients on a small real instance of the architecture, and this one's is "
+            f"{numel:,} parameters ({what}): too many to step here; drop --verify"
+        )
     step = dict(SMALL_STEP)
     if cfg.task in IMAGE_ONLY_TASKS:
         del step["seq_len"]

@@ -269,6 +269,9 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
     from trainledger.allocator import AllocatorConfig
     from trainledger.remat import PlanResult, candidate_costs, peak_by_evidence, verify_fake
 
+    configured = args.hf_config or args.diffusers_config
+    # a config's small instance is built before the (long) plan: one too large to step is refused at once
+    small, what = small_workload(args) if args.verify and configured else (None, "")
     workload, planner, sharding = fake_planner(args, kind)
     target = Target.of(args)
     budget_bytes = budget.resolve(sharding.rank_ledger(planner.plain).peak().bytes)
@@ -278,8 +281,7 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
     p = replace(p, extra_seconds=None)  # fake kernels compute nothing: their times mean nothing
     verification = None
     if args.verify:
-        configured = args.hf_config or args.diffusers_config
-        small, what = small_workload(args) if configured else (_real_or_none(workload), "")
+        small = small if configured else _real_or_none(workload)
         verification = verify_fake(
             workload,
             p,
