@@ -147,7 +147,7 @@ def workload_from_diffusers_config(
         fake: build for a fake trace (full size, nothing allocated; see :func:`~trainledger.anymodel.build_fake`).
     """
     raw = dict(path) if isinstance(path, dict) else load_config_file(path)
-    path = "config" if isinstance(path, dict) else path
+    source = "config" if isinstance(path, dict) else path
     cls = _diffusers_class(raw)
     _check_fake(fake)
     side = latent_size or raw.get("sample_size") or 64
@@ -158,11 +158,11 @@ def workload_from_diffusers_config(
             try:
                 return cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
             except (TypeError, ValueError) as exc:
-                raise InputError(f"diffusers cannot build {cls.__name__} from {path}: {exc}") from exc
+                raise InputError(f"diffusers cannot build {cls.__name__} from {source}: {exc}") from exc
 
     inner, made_in = build_fake(build) if fake else (build(None), None)
     batch = _diffusion_batch(inner, raw, setup, side, made_in, seed)
-    name = f"{cls.__name__}:{Path(path).stem}"
+    name = f"{cls.__name__}:{Path(source).stem}"
     return Workload(Denoiser(inner), batch, optimizer=optimizer_factory(setup), name=name)
 
 

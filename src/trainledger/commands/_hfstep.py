@@ -81,10 +81,11 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **
         flags = ", ".join("--" + f.replace("_", "-") for f in sources)
         raise InputError(f"give one of {flags}, not {len(sources)}")
     given = given_step_flags(args)
+    fake = step.pop("fake", args.fake)
     if getattr(args, "timm", None) or getattr(args, "diffusers_config", None):
-        return vision_workload(args, {**given, **step})
+        return vision_workload(args, {**given, **step}, fake=fake)
     if args.hf_config and config is None and not in_analytic_family(args):
-        return any_workload(args, {**given, **step})
+        return any_workload(args, {**given, **step}, fake=fake)
     if getattr(args, "image_size", None) is not None:
         raise InputError("--image-size applies to a model that reads images (--task image-classification): drop it")
     if args.hf_config:
@@ -92,7 +93,6 @@ def workload_for(args: argparse.Namespace, *, config: HFConfig | None = None, **
 
         flags = argparse.Namespace(**{**STEP_DEFAULTS, **given, **step})
         check_lora_flags(flags)
-        fake = step.get("fake", args.fake)
         return workload_from_setup(args.hf_config if config is None else config, setup_from(flags), fake=fake)
     if not args.model:
         raise InputError("give --model NAME|file.py:factory or --hf-config PATH (see --help)")
@@ -125,14 +125,16 @@ def in_analytic_family(args: argparse.Namespace) -> bool:
     return True
 
 
-def any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: AnyConfig | None = None) -> Workload:
+def any_workload(
+    args: argparse.Namespace, given: dict[str, Any], cfg: AnyConfig | None = None, *, fake: bool | None = None
+) -> Workload:
     """The step of an architecture outside the analytic families (its notes on stderr, one line each);
-    ``given``: the step flags given (``fake`` among them overrides ``--fake``); ``cfg``: the config to build
-    instead of ``--hf-config`` (the same at another depth, a small instance)."""
+    ``given``: the step flags given; ``cfg``: the config to build instead of ``--hf-config`` (the same at
+    another depth, a small instance); ``fake``: instead of ``--fake``."""
     from trainledger.anymodel import IMAGE_ONLY_TASKS, default_seq_len, load_any_config, workload_from_any_config
 
     cfg = cfg if cfg is not None else load_any_config(args.hf_config, task=args.task)
-    fake = given.pop("fake", args.fake)
+    fake = args.fake if fake is None else fake
     step = argparse.Namespace(**{**STEP_DEFAULTS, **given})
     check_lora_flags(step)
     if cfg.task in IMAGE_ONLY_TASKS and "seq_len" in given:
@@ -145,14 +147,21 @@ def any_workload(args: argparse.Namespace, given: dict[str, Any], cfg: AnyConfig
     return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=fake)
 
 
-def vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int | None = None) -> Workload:
+def vision_workload(
+    args: argparse.Namespace,
+    given: dict[str, Any],
+    depth: int | None = None,
+    *,
+    fake: bool | None = None,
+    config: dict[str, Any] | None = None,
+) -> Workload:
     """A timm classifier (``depth`` blocks deep where given) or a diffusers denoiser (``--seq-len``: the
-    denoiser's conditioning tokens, default 77); ``given``: the step flags given (``fake`` and ``config``, a
-    diffusers config as a dict, among them override ``--fake`` and ``--diffusers-config``)."""
+    denoiser's conditioning tokens, default 77); ``given``: the step flags given; ``fake`` and ``config`` (a
+    diffusers config as a dict): instead of ``--fake`` and ``--diffusers-config``."""
     from trainledger.vision import workload_from_diffusers_config, workload_from_timm
 
-    fake = given.pop("fake", args.fake)
-    config = given.pop("config", args.diffusers_config)
+    fake = args.fake if fake is None else fake
+    config = args.diffusers_config if config is None else config
     step = argparse.Namespace(**{**STEP_DEFAULTS, "seq_len": 77, **given})
     check_lora_flags(step)
     setup = setup_from(step)
@@ -161,8 +170,8 @@ def vision_workload(args: argparse.Namespace, given: dict[str, Any], depth: int 
     return workload_from_diffusers_config(config, setup, latent_size=args.image_size, fake=fake)
 
 
-SMALL_STEP: dict[str, Any] = {"micro_batch": 2, "seq_len": 32, "fake": False}
-"""The step of a small real instance (see :func:`small_workload`)."""
+SMALL_STEP: dict[str, Any] = {"micro_batch": 2, "seq_len": 32}
+"""The step of a small real instance (see :func:`small_workload`), on real tensors."""
 SMALL_MAX_PARAMETERS = 200_000_000
 """The most parameters a small instance may have: a real fp32 step with AdamW state holds 16 bytes of each."""
 
@@ -171,18 +180,19 @@ def small_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     """A real step of the ``--hf-config`` architecture, a few blocks deep and narrow, with the other step
     flags kept: where a plan made on fake tensors at full size has its gradients compared. Returns it and what
     it is, for the report (``3 blocks, hidden 64, 2 sequences of 32 tokens``)."""
-    from trainledger.commands._stacked import small_config
+    from trainledger.commands._stacked import SMALL_DEPTH, SMALL_WIDTHS, small_config
 
+    given = given_step_flags(args)
     if args.diffusers_config:
         from trainledger.vision import small_diffusers_config
 
         raw, what = small_diffusers_config(load_config_file(args.diffusers_config))
-        small = vision_workload(args, {**given_step_flags(args), **SMALL_STEP, "config": raw})
+        small = vision_workload(args, {**given, **SMALL_STEP}, fake=False, config=raw)
         side = args.image_size or raw.get("sample_size") or 64
         return small, f"{what}, {SMALL_STEP['micro_batch']} latents of {side} pixels a side"
     if in_analytic_family(args):
-        small = workload_for(args, config=small_config(args.hf_config), **SMALL_STEP)
-        return small, "3 blocks, hidden 64, 2 sequences of 32 tokens"
+        small = workload_for(args, config=small_config(args.hf_config), **SMALL_STEP, fake=False)
+        return small, f"{SMALL_DEPTH} blocks, hidden {SMALL_WIDTHS['hidden_size']}, {_small_batch('causal-lm')}"
     from trainledger.anymodel import IMAGE_ONLY_TASKS, load_any_config, skeleton, small_instance
 
     cfg, what = small_instance(load_any_config(args.hf_config, task=args.task))
@@ -192,10 +202,8 @@ def small_workload(args: argparse.Namespace) -> tuple[Workload, str]:
             f"--verify compares gradients on a small real instance of the architecture, and this one's is "
             f"{numel:,} parameters ({what}): too many to step here; drop --verify"
         )
-    step = dict(SMALL_STEP)
-    if cfg.task in IMAGE_ONLY_TASKS:
-        del step["seq_len"]
-    return any_workload(args, {**given_step_flags(args), **step}, cfg), f"{what}, {_small_batch(cfg.task)}"
+    step = {k: v for k, v in SMALL_STEP.items() if k != "seq_len" or cfg.task not in IMAGE_ONLY_TASKS}
+    return any_workload(args, {**given, **step}, cfg, fake=False), f"{what}, {_small_batch(cfg.task)}"
 
 
 def _small_batch(task: str) -> str:

@@ -83,7 +83,7 @@ def weights_numel(ledger: Ledger) -> int:
     return sum(e.numel for e in ledger.entries if e.category in (Category.WEIGHTS, Category.FROZEN))
 
 
-_NARROW: dict[str, int] = {
+SMALL_WIDTHS: dict[str, int] = {
     "hidden_size": 64,
     "n_embd": 64,
     "intermediate_size": 128,
@@ -93,15 +93,15 @@ _NARROW: dict[str, int] = {
 }
 """A small instance's widths: what a real step runs here in well under a second."""
 _SMALL_HEADS = 4
-_SMALL_DEPTH = 3
+SMALL_DEPTH = 3
 
 
 def small_config(path: str | Path) -> HFConfig:
     """The config's architecture, 3 blocks deep and narrow (its other settings kept), named as the config:
     a real instance on which a plan made at full size can be run and its gradients compared."""
     cfg = load_hf_config(path)
-    raw = _at_depth(cfg.raw, _layer_key(cfg.spec.family), cfg.spec.num_layers, min(_SMALL_DEPTH, cfg.spec.num_layers))
-    raw.update({k: v for k, v in _NARROW.items() if raw.get(k) is not None})
+    raw = _at_depth(cfg.raw, _layer_key(cfg.spec.family), cfg.spec.num_layers, min(SMALL_DEPTH, cfg.spec.num_layers))
+    raw.update({k: v for k, v in SMALL_WIDTHS.items() if raw.get(k) is not None})
     for heads in ("num_attention_heads", "n_head"):
         if raw.get(heads):
             kv = raw.get("num_key_value_heads") or raw[heads]

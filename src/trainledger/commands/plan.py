@@ -20,6 +20,7 @@ from trainledger.commands.estimate import kernel_kind_of
 from trainledger.errors import InputError
 from trainledger.report.exports import check_output_path
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, peak_text, print_renderables
+from trainledger.units import counted
 
 if TYPE_CHECKING:
     from trainledger.remat import PlanResult
@@ -110,7 +111,7 @@ def check_kernel_kind(args: argparse.Namespace) -> str:
                 "--cost seconds times this machine's kernels; --device-kind cuda plans with CUDA's, which do not run "
                 "here: the cost is FLOPs (drop --cost)"
             )
-        if args.hf_config or args.diffusers_config:
+        if from_config(args):
             args.fake = True  # as trace: a CUDA-kind step runs on fake tensors, never built with values
     return kind
 
@@ -123,6 +124,11 @@ def add_cost_flag(p: argparse.ArgumentParser) -> None:
         choices=COSTS,
         help="what to minimise: seconds (measured) or flops (default seconds; flops with --fake)",
     )
+
+
+def from_config(args: argparse.Namespace) -> bool:
+    """Whether the step is built from a config (``--hf-config``, ``--diffusers-config``), not ``--model``."""
+    return bool(args.hf_config or args.diffusers_config)
 
 
 def require_model(args: argparse.Namespace) -> None:
@@ -243,7 +249,7 @@ def config_steps_run_fake(args: argparse.Namespace) -> Iterator[None]:
     try:
         yield
     except InputError as exc:
-        if not (args.hf_config or args.diffusers_config) or "without --fake" not in str(exc):
+        if not from_config(args) or "without --fake" not in str(exc):
             raise
         raise InputError(
             f"{exc}; a plan from a config is made on fake tensors: plan this model on a real step with "
@@ -269,7 +275,7 @@ def compute_fake(args: argparse.Namespace, budget: Any, kind: str = "cpu") -> Pl
     from trainledger.allocator import AllocatorConfig
     from trainledger.remat import PlanResult, candidate_costs, peak_by_evidence, verify_fake
 
-    configured = args.hf_config or args.diffusers_config
+    configured = from_config(args)
     # a config's small instance is built before the (long) plan: one too large to step is refused at once
     small, what = small_workload(args) if args.verify and configured else (None, "")
     workload, planner, sharding = fake_planner(args, kind)
@@ -387,7 +393,7 @@ def reserved_lines(result: PlanResult, device: Any) -> list[Any]:
         how = (
             f"budget on reserved memory: predicted reserved {fit.max_reserved_bytes:,} bytes, {within} the budget "
             f"{fit.budget_bytes:,}; solved for an allocated budget of {fit.allocated_budget_bytes:,} bytes after "
-            f"{fit.num_rounds} round{'s' if fit.num_rounds != 1 else ''} ({_how_rounds(fit.num_rounds)})"
+            f"{counted(fit.num_rounds, 'round')} ({_how_rounds(fit.num_rounds)})"
         )
     return [Text(how), reserved_text(fit.prediction, device)]
 

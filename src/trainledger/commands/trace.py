@@ -97,14 +97,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _trace_workload(args: argparse.Namespace, *, config: HFConfig | None = None) -> Workload:
-    """The step to trace: a timm or diffusers model, or what :func:`workload_for` builds (``--model``, a
-    ``--hf-config`` of any architecture)."""
-    sources = [f for f in ("model", "hf_config", "timm", "diffusers_config") if getattr(args, f)]
-    if len(sources) > 1:
-        raise InputError(f"give one of --model, --hf-config, --timm, --diffusers-config, not {len(sources)}")
-    if args.timm or args.diffusers_config:
-        return vision_workload(args, given_step_flags(args))
-    if not sources:
+    """The step to trace: what :func:`workload_for` builds (``--model``, a ``--hf-config`` of any architecture,
+    a timm or diffusers model)."""
+    if not any(getattr(args, f) for f in ("model", "hf_config", "timm", "diffusers_config")):
         raise InputError(
             "give --model NAME|file.py:factory, --hf-config PATH, --timm NAME or --diffusers-config PATH (see --help)"
         )
@@ -154,7 +149,7 @@ def _trace_any_stacked(args: argparse.Namespace, cfg: Any, depth: Any, **kwargs:
         source = quiet if built else cfg  # the config's notes printed with the first build only
         built.append(blocks)
         at = source if blocks == depth.num_layers else at_depth(source, depth, blocks)
-        return any_workload(args, dict(given), at)
+        return any_workload(args, given, at)
 
     def skeleton_at(blocks: int) -> Any:
         return skeleton(at_depth(quiet, depth, blocks), image_size=args.image_size)
