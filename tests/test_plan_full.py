@@ -286,3 +286,16 @@ def test_cli_plan_verify_refuses_a_small_instance_too_large_to_step(cli, tmp_pat
     )
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "350,300,416 parameters" in err and "drop --verify" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["fp32", "bf16-master"])
+def test_cli_plan_any_architecture_sharded_per_rank_is_verified(cli_json, recipe):
+    out = cli_json(
+        "plan", "--hf-config", str(FIXTURES / "bert-tiny.json"), "--fake", "--world", "4", "--stage", "3",
+        "--micro-batch", "8", "--dtype", recipe, "--budget", "70%", "--verify",
+    )  # fmt: skip
+    v = out["verification"]
+    assert v["agrees"] and v["within_budget"] and v["passed"] and not v["regions_not_run"]
+    assert v["gradients_bitwise_equal"] and v["num_gradients"] > 0 and v["state_bitwise_equal"]
+    assert any("zero3 over 4 ranks" in n for n in out["plan_notes"])
