@@ -38,6 +38,25 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def storage_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors whose storages hold ``t``'s bytes: ``t`` itself, or a sparse tensor's index and value
+    tensors (a sparse tensor has no storage of its own: ``nn.Embedding(sparse=True)``'s gradient).
+
+    Read with Python dispatch off, so that a tracer asking for a sparse gradient's parts sees no op.
+    """
+    layout = t.layout
+    if layout is torch.strided:
+        return (t,)
+    with torch._C._DisableTorchDispatch():
+        if layout is torch.sparse_coo:
+            return (t._indices(), t._values())
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            return (t.crow_indices(), t.col_indices(), t.values())
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            return (t.ccol_indices(), t.row_indices(), t.values())
+    return (t,)
+
+
 @dataclass(frozen=True, slots=True)
 class Owner:
     name: str
@@ -153,8 +172,20 @@ def iter_state(
     Parameters and buffers of the model (``requires_grad=False`` → ``frozen``), the reference model's
     weights (``frozen``), existing gradients, master copies held by the optimizer and their gradients,
     and every optimizer state tensor (role = its state key). The same storage may be yielded under
-    several names (tied weights); consumers count it once.
+    several names (tied weights); consumers count it once. A sparse tensor is yielded as its parts
+    (``storage_parts``), each under the tensor's name.
     """
+    for t, owner in _named_state(model, optimizer, reference):
+        if t.layout is torch.strided:
+            yield t, owner
+        else:
+            for part in storage_parts(t):
+                yield part, owner
+
+
+def _named_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, reference: nn.Module | None
+) -> Iterator[tuple[torch.Tensor, Owner]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         yield p, Owner(name, Category.WEIGHTS if p.requires_grad else Category.FROZEN, "param")
     for name, b in model.named_buffers(remove_duplicate=False):

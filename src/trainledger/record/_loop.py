@@ -75,9 +75,12 @@ from trainledger.record._compiled import (
 from trainledger.record._scaler import SKIPPED_NOTE, watching_skipped_steps
 from trainledger.trace import (
     ModuleScopes,
+    SparseStepTracer,
     StepTracer,
+    declares_sparse_gradients,
     fsdp_storages,
     mark_optimizer_outputs,
+    sparse_gradient_substitutes,
     traced_ledger,
     with_kernel_workspace,
 )
@@ -118,6 +121,10 @@ class _LoopTracer(StepTracer):
 
 
 _OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
+
+
+class _SparseLoopTracer(_LoopTracer, SparseStepTracer):
+    """The loop's tracer for a model with sparse gradients (see ``trace``'s sparse tracer)."""
 
 
 @dataclasses.dataclass
@@ -284,7 +291,11 @@ class Recording(contextlib.ContextDecorator):
         objects = _objects_of_types({torch.Tensor, nn.Parameter, optimized_module_type()} - {None})
         self._compiled = compiled_modules(self.model, [o for o in objects if not isinstance(o, torch.Tensor)])
         scopes = ModuleScopes([("", self.model)])
-        tracer = (dynamo_skipped(_LoopTracer) if self._compiled else _LoopTracer)(scopes)
+        sparse = declares_sparse_gradients(self.model)
+        kind = _SparseLoopTracer if sparse else _LoopTracer
+        tracer = (dynamo_skipped(kind) if self._compiled else kind)(scopes)
+        if sparse:
+            tracer.substitutes.update(sparse_gradient_substitutes(lambda: tracer.phase == "backward"))
         for opt in self.optimizers:
             for t, owner in iter_state(self.model, opt):
                 tracer.known(t, owner.name, owner.category, owner.role)

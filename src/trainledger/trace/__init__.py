@@ -55,6 +55,12 @@ from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._restore import RESTORED_NOTE, TrainingState
 from trainledger.trace._rngstate import RNG_STATE_ROLE, rng_states_seen
 from trainledger.trace._scopes import ModuleScopes
+from trainledger.trace._sparse import (
+    SparseStepTracer,
+    declares_sparse_gradients,
+    has_sparse_gradients,
+    sparse_gradient_substitutes,
+)
 from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
@@ -72,17 +78,20 @@ __all__ = [
     "MeasuredStep",
     "ModuleScopes",
     "SdpaCall",
+    "SparseStepTracer",
     "StepTracer",
     "StorageRecord",
     "TraceReport",
     "TrainingState",
     "active_tracer",
     "cuda_device_of",
+    "declares_sparse_gradients",
     "fsdp_storages",
     "kernel_internal_bytes",
     "mark_optimizer_outputs",
     "record_forward",
     "sdpa_backend",
+    "sparse_gradient_substitutes",
     "trace",
     "trace_stacked",
     "traced_ledger",
@@ -447,6 +456,41 @@ def with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, Ker
     return ledger.with_entries((*ledger.entries, *entries), notes=notes)
 
 
+def _warm_up(workload: Workload, kernels: CudaKernels | None, *, fake: bool) -> bool:
+    """Run the warm-up step; returns whether it made sparse gradients (see ``_sparse``), which a step on fake
+    tensors cannot size."""
+    sparse = False
+
+    def on_phase(phase: str) -> None:
+        nonlocal sparse
+        if phase == "optimizer":
+            sparse = has_sparse_gradients(workload)
+        if kernels is not None:
+            kernels.on_phase(phase)
+
+    with _user_errors("the warm-up step"), kernels or contextlib.nullcontext():
+        run_step(workload, on_phase=on_phase)
+    if sparse and fake:
+        raise InputError(
+            "the step's gradients are sparse (an nn.Embedding or nn.EmbeddingBag with sparse=True): their size is "
+            "how many rows the batch reads, which fake tensors do not know; trace it with real tensors (no --fake, "
+            "no --device-kind cuda)"
+        )
+    return sparse
+
+
+def _step_tracer(
+    scopes: ModuleScopes, *, fake: bool, cuda: bool, sparse: bool, progress: ProgressFn | None
+) -> StepTracer:
+    """The step's tracer, with the substitutes its kind of trace needs. Sparse gradients only get theirs: following
+    their parts, and a substitute, cost a little per op."""
+    substitutes = {**(FAKE_SUBSTITUTES if fake else {}), **(DISPATCH_SUBSTITUTES if cuda else {})}
+    tracer = (SparseStepTracer if sparse else StepTracer)(scopes, fake=fake, progress=progress, substitutes=substitutes)
+    if sparse:
+        tracer.substitutes.update(sparse_gradient_substitutes(lambda: tracer.phase == "backward"))
+    return tracer
+
+
 def _trace(
     workload: Workload, progress: ProgressFn | None, *, fake: bool = False, cuda: Device | None = None
 ) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
@@ -454,13 +498,11 @@ def _trace(
     optimizer = workload.get_optimizer()
     kernels = CudaKernels(cuda, autocast=workload.autocast_dtype is not None) if cuda is not None else None
     foreach_groups = use_foreach(optimizer) if cuda is not None else 0  # the fake twin's optimizer
-    with _user_errors("the warm-up step"), kernels or contextlib.nullcontext():
-        run_step(workload, on_phase=kernels.on_phase if kernels is not None else None)
+    sparse = _warm_up(workload, kernels, fake=fake or cuda is not None)
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots, outside=LOSS_SCOPE)
-    substitutes = {**(FAKE_SUBSTITUTES if fake else {}), **(DISPATCH_SUBSTITUTES if cuda else {})}
-    tracer = StepTracer(scopes, fake=fake, progress=progress, substitutes=substitutes)
+    tracer = _step_tracer(scopes, fake=fake, cuda=cuda is not None, sparse=sparse, progress=progress)
     for t, owner in iter_state(model, optimizer, reference=reference):
         tracer.known(t, owner.name, owner.category, owner.role)
     for i, t in enumerate(iter_tensors(workload.batch)):

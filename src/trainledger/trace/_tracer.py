@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainledger.inventory import dtype_name, storage_key
+from trainledger.inventory import dtype_name, storage_key, storage_parts
 from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
 from trainledger.trace._kernels import (
     MATMUL_OPERANDS,
@@ -292,7 +292,9 @@ class StepTracer(TorchDispatchMode):
                 and not (_NO_STORAGE and isinstance(out, _NO_STORAGE))
                 and not (info.foreach and phase == "optimizer")
             ):
-                if out.layout is _STRIDED and (key := _storage_address(out)) not in storages:
+                if out.layout is not _STRIDED:  # a sparse tensor: its parts' storages
+                    self._outputs(op, index, module, args, out)
+                elif (key := _storage_address(out)) not in storages:
                     self._track(out, key, f"{op}#{index}", None, "", index, module, index)
             else:
                 self._outputs(op, index, module, args, out)
@@ -326,7 +328,7 @@ class StepTracer(TorchDispatchMode):
         if self.fake and info.real_storage:
             kernel = KernelCall.of(func, args, kwargs)
             if kernel is not None:
-                outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in _tensors(out)]
+                outputs = [storages.get(storage_key(t)) if _has_storage(t) else None for t in tensors_of(out)]
                 self.resized.append((kernel, outputs))
         # the engine accumulates with grad mode off (in place only then); a checkpoint's recomputation runs
         # with it on: its adds are the forward's, run again
@@ -342,8 +344,9 @@ class StepTracer(TorchDispatchMode):
             )
 
     def _outputs(self, op: str, index: int, module: str, args: tuple[Any, ...], out: Any) -> None:
-        """Track each output storage not seen before as allocated by this event."""
-        outputs = [out] if isinstance(out, torch.Tensor) else _tensors(out)
+        """Track each output storage not seen before as allocated by this event (a sparse output's: its parts',
+        which a sparse kernel such as ``coalesce`` makes out of this mode's sight)."""
+        outputs = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
         owners = self._output_owners(op, args, module, len(outputs)) if self.phase == "optimizer" else None
         storages = self.storages
         for j, t in enumerate(outputs):
@@ -351,9 +354,15 @@ class StepTracer(TorchDispatchMode):
                 # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
                 # new when the op made it (an FSDP rank's optimizer temporaries)
                 t = t._local_tensor  # type: ignore[attr-defined]
-            if t.layout is _STRIDED and (key := _storage_address(t)) not in storages:
-                owner = module if owners is None else owners[j]
-                self._track(t, key, f"{op}#{index}", None, "", index, owner, index)
+            if t.layout is _STRIDED:
+                if (key := _storage_address(t)) not in storages:
+                    owner = module if owners is None else owners[j]
+                    self._track(t, key, f"{op}#{index}", None, "", index, owner, index)
+            else:
+                for part in storage_parts(t):
+                    if part.layout is _STRIDED and (key := _storage_address(part)) not in storages:
+                        owner = module if owners is None else owners[j]
+                        self._track(part, key, f"{op}#{index}", None, "", index, owner, index)
 
     # --- the optimizer step, parameter by parameter ---------------------------------------------------
 
@@ -425,8 +434,15 @@ class StepTracer(TorchDispatchMode):
     # --- finishing ---------------------------------------------------------------------------------
 
     def mark(self, t: torch.Tensor, category: Category, role: str, name: str) -> None:
-        """Name a storage allocated during the step that turned out to be a gradient or optimizer state."""
-        rec = self.storages.get(storage_key(local_tensor(t)))
+        """Name a storage allocated during the step that turned out to be a gradient or optimizer state (a
+        sparse gradient: each of its parts)."""
+        t = local_tensor(t)
+        if t.layout is not _STRIDED:
+            for part in storage_parts(t):
+                if part.layout is _STRIDED:
+                    self.mark(part, category, role, name)
+            return
+        rec = self.storages.get(storage_key(t))
         if rec is None:
             return
         if rec.category is None:
@@ -445,6 +461,10 @@ class StepTracer(TorchDispatchMode):
         ``mark`` would name)."""
         storages = self.storages
         for t in tensors:  # every gradient and state tensor, twice a step: no helper calls for plain ones
+            if t.layout is not _STRIDED:  # a sparse gradient
+                if self.any_unnamed(p for p in storage_parts(local_tensor(t)) if p.layout is _STRIDED):
+                    return True
+                continue
             rec = storages.get(_storage_address(t if type(t) in _PLAIN else local_tensor(t)))
             if rec is not None and (rec.category is None or rec.role == "captured"):
                 return True
@@ -587,7 +607,11 @@ def _same_meta(args: tuple[Any, ...], out: Any) -> bool:
     if len(args) < 2 or not all(isinstance(t, torch.Tensor) for t in (args[0], args[1], out)):
         return False
     a, b = args[0], args[1]
-    return a.shape == b.shape == out.shape and a.dtype == b.dtype == out.dtype
+    return (
+        a.layout is b.layout is out.layout is _STRIDED
+        and a.shape == b.shape == out.shape
+        and a.dtype == b.dtype == out.dtype
+    )
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -604,10 +628,10 @@ def _inputs(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any] | None)
     (the caller skips what is not a tensor), else found by a walk."""
     if info.flat:
         return (*args, *kwargs.values()) if kwargs else args
-    return _tensors(args, kwargs)
+    return tensors_of(args, kwargs)
 
 
-def _tensors(*objs: Any) -> list[torch.Tensor]:
+def tensors_of(*objs: Any) -> list[torch.Tensor]:
     """Tensors among an op's arguments or outputs (flat, or in lists, tuples and dict values).
 
     A direct walk: this runs for every op, and a general pytree flatten costs several times more.
@@ -621,9 +645,9 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
                 if isinstance(y, torch.Tensor):
                     found.append(y)
                 elif isinstance(y, (list, tuple, dict)):
-                    found.extend(_tensors(y))
+                    found.extend(tensors_of(y))
         elif isinstance(x, dict):
-            found.extend(_tensors(*x.values()))
+            found.extend(tensors_of(*x.values()))
     return found
 
 
@@ -727,7 +751,7 @@ def _written(where: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: 
     statistics of BatchNorm's kernels in training."""
     if where is _RUNNING_STATS and not (args[5] if len(args) > 5 else kwargs.get("training", False)):
         return []
-    return _tensors(*(args[i] if i < len(args) else kwargs.get(name) for i, name in where))
+    return tensors_of(*(args[i] if i < len(args) else kwargs.get(name) for i, name in where))
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
