@@ -115,7 +115,8 @@ def _kernel_note(num_entries: int, counts: KernelCounts) -> str:
     else:
         inside = (
             " (none of this step's kernels is one known to allocate inside an op: convolution, BatchNorm, "
-            "LayerNorm's backward, the LSTM, a matrix product with an operand BLAS cannot read in place)"
+            "LayerNorm's backward, the LSTM, linear algebra, a matrix product with an operand BLAS cannot read in "
+            "place)"
         )
     if counts.num_estimated:
         inside += (

@@ -58,8 +58,30 @@ PROBED_OPS: frozenset[str] = frozenset(
         "aten.native_batch_norm",
         "aten.native_batch_norm_backward",
         "aten.native_layer_norm_backward",
+        # LAPACK's workspace and the copies it factors in place (a Shampoo- or SOAP-like optimizer's eigh, an
+        # orthogonal parametrization's matrix exponential): sized by the shapes, not the values (measured),
+        # except the matrix exponential's (``NORM_SIZED``)
+        "aten._linalg_det",
+        "aten._linalg_eigh",
+        "aten._linalg_slogdet",
+        "aten._linalg_solve_ex",
+        "aten._linalg_svd",
+        "aten.linalg_cholesky_ex",
+        "aten.linalg_eig",
+        "aten.linalg_householder_product",
+        "aten.linalg_inv_ex",
+        "aten.linalg_lstsq",
+        "aten.linalg_lu_factor_ex",
+        "aten.linalg_matrix_exp",
+        "aten.linalg_pinv.atol_rtol_tensor",
+        "aten.linalg_qr",
     }
 )
+
+NORM_SIZED: frozenset[Any] = frozenset({torch.ops.aten.linalg_matrix_exp.default})
+"""Ops whose buffers depend on their input's 1-norm: the matrix exponential picks its series' degree by it (a
+16 by 16 matrix: 4,112 bytes for zeros, 6,160 at a norm of 0.01, 12,312 from about 0.3). Such a call is probed on
+a matrix of one value with the input's largest 1-norm, which picks the same degree (the largest of a batch's)."""
 
 # Matrix products, by the positions of the operands BLAS reads as matrices (or vectors): what ``matmul`` and
 # ``linear`` become at dispatch level, and the out= and in-place forms whose written result BLAS may not be able
@@ -131,7 +153,7 @@ REAL_STORAGE_OPS: frozenset[str] = frozenset({"aten.mse_loss", "aten.mkldnn_rnn_
 
 # Kernels that read a buffer an earlier kernel made, whose size fake tensors get wrong (the LSTM's backward
 # reads the forward's workspace): on a fake trace they are not run, and the notes count them.
-NEEDS_REAL_INPUTS: frozenset[str] = frozenset({"aten.mkldnn_rnn_layer_backward"})
+NEEDS_REAL_INPUTS: frozenset[str] = frozenset({"aten.mkldnn_rnn_layer_backward", "aten.linalg_matrix_exp"})
 
 MAX_CALIBRATION_BYTES = 1 << 30
 """A call whose tensors (inputs and outputs) exceed this is not run to measure it (too large for here)."""
@@ -152,8 +174,8 @@ class _TensorSpec:
         span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True) if n > 0)
         return span * torch.empty((), dtype=self.dtype, device="meta").element_size()
 
-    def zeros(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).zero_()
+    def filled(self, value: float = 0.0) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).fill_(value)
 
     def meta(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
@@ -168,6 +190,9 @@ class KernelCall:
     kwargs: tuple[tuple[str, Any], ...]
     grad_enabled: bool
     """Autograd's mode when the op ran (some kernels keep a training workspace only with it on)."""
+    fill: float = 0.0
+    """The value its tensors are filled with when it is probed: 0, or for :data:`NORM_SIZED` ops the one whose
+    matrix has the input's 1-norm."""
 
     @classmethod
     def of(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KernelCall | None:
@@ -178,6 +203,7 @@ class KernelCall:
                 tuple(_spec(a) for a in args),
                 tuple((k, _spec(v)) for k, v in sorted(kwargs.items())),
                 torch.is_grad_enabled(),
+                _norm_fill(args[0]) if func in NORM_SIZED else 0.0,
             )
         except _Unsupported:
             return None
@@ -214,8 +240,10 @@ class KernelCall:
         return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
 
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Zero-filled tensors of the call's layout, and its other arguments as given."""
-        return tuple(_build(a) for a in self.args), {k: _build(v) for k, v in self.kwargs}
+        """Tensors of the call's layout filled with its ``fill`` (zeros but for :data:`NORM_SIZED` ops), and its
+        other arguments as given."""
+        fill = self.fill
+        return tuple(_build(a, fill=fill) for a in self.args), {k: _build(v, fill=fill) for k, v in self.kwargs}
 
 
 class _Unsupported(Exception):
@@ -242,11 +270,20 @@ def _specs(values: tuple[Any, ...]) -> Iterator[_TensorSpec]:
             yield from _specs(v)
 
 
-def _build(x: Any, *, meta: bool = False) -> Any:
+def _norm_fill(matrices: Any) -> float:
+    """The value a square matrix of ``matrices``' size is filled with to have their largest 1-norm."""
+    if not isinstance(matrices, torch.Tensor) or matrices.dim() < 2 or matrices.shape[-1] == 0:
+        raise _Unsupported
+    with torch.no_grad():
+        norm = torch.linalg.matrix_norm(matrices.detach().float(), ord=1).max().item()
+    return norm / matrices.shape[-1]
+
+
+def _build(x: Any, *, meta: bool = False, fill: float = 0.0) -> Any:
     if isinstance(x, _TensorSpec):
-        return x.meta() if meta else x.zeros()
+        return x.meta() if meta else x.filled(fill)
     if isinstance(x, tuple):
-        return [_build(y, meta=meta) for y in x]
+        return [_build(y, meta=meta, fill=fill) for y in x]
     return x
 
 
