@@ -7,6 +7,8 @@ import random
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainledger.errors import InputError
@@ -26,7 +28,7 @@ from trainledger.remat import (
     structure_fingerprint,
 )
 from trainledger.trace import trace
-from trainledger.workload import call_model
+from trainledger.workload import Workload, call_model
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +221,32 @@ def test_cpu_flash_attention_is_charged_its_two_matmuls():
     linears = 2 * N * C * 3 * C + 2 * N * C * C + 2 * N * C * 4 * C
     attention = 2 * (2 * B * H * T * T * (C // H))
     assert block.flops == linears + attention
+
+
+class _Residual(nn.Module):
+    """A block around one module, with an op of its own: ``x + f(x)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
+def test_a_stack_of_blocks_that_each_wrap_one_module_is_planned_and_verified():
+    """Each block calls one module, the shape of a wrapper: opened as one, its layers were the chain's positions,
+    each keeping its input anyway, and no plan recomputed anything (the floor was the plain peak)."""
+    from trainledger.remat import verify
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Residual(32) for _ in range(4)], nn.Linear(32, 10))
+    w = Workload(model, torch.randn(16, 8, 32), loss_fn=lambda out, _: out.square().mean())
+    p = Planner.build(w)
+    assert p.candidates.positions[:4] == ("0", "1", "2", "3") and len(p.candidates.blocks) == 4
+    assert p.floor_bytes < 0.8 * p.plain_peak_bytes
+    plan = p.solve((p.plain_peak_bytes + p.floor_bytes) // 2)
+    assert plan.regions
+    v = verify(w, plan, timing=False)
+    assert v.within_budget and v.gradients_bitwise_equal and v.num_gradients == 2 * 4 * 3 + 2
+    assert abs(v.relative_error) <= 0.01

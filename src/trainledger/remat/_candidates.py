@@ -125,8 +125,10 @@ def _positions(tree: CallTree, model: nn.Module) -> tuple[list[int], set[int]]:
         ids = [i for i in ids if live[i]]
         for i in ids:
             # opened: the model's own call, a call alone at its level or holding one call (a wrapper and
-            # what it wraps), and calls that hold a stack of blocks somewhere inside
-            if tree.calls[i].path == ROOT or len(ids) == 1 or len(kids[i]) == 1 or i in holds_stack:
+            # what it wraps) unless it is a block of a stack (a residual block around one Sequential is what
+            # checkpointing wraps), and calls that hold a stack of blocks somewhere inside
+            wrapper = (len(ids) == 1 or len(kids[i]) == 1) and kind(i) not in block_kinds
+            if tree.calls[i].path == ROOT or wrapper or i in holds_stack:
                 visit(kids[i], stacks[i])
             else:
                 positions.append(i)
