@@ -250,3 +250,21 @@ def test_a_stack_of_blocks_that_each_wrap_one_module_is_planned_and_verified():
     v = verify(w, plan, timing=False)
     assert v.within_budget and v.gradients_bitwise_equal and v.num_gradients == 2 * 4 * 3 + 2
     assert abs(v.relative_error) <= 0.01
+
+
+def test_a_plan_recomputing_self_attention_runs_under_the_tracer_and_is_verified():
+    """``nn.MultiheadAttention`` called as ``attn(x, x, x)`` projects q, k and v in one product only while
+    ``query is key``; checkpointed under saved-tensor hooks (the tracer's) the three came back as three tensor
+    objects and the recomputation raised ``CheckpointError``."""
+    from trainledger.remat import verify
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.1, norm_first=True)
+    stack = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)  # norm_first: no nested tensors anyway
+    w = Workload(stack, torch.randn(4, 16, 32), loss_fn=lambda out, _: out.square().mean())
+    p = Planner.build(w)
+    attention = Region("layers.1.self_attn")
+    plan = Plan(regions=(attention,), fingerprint=structure_fingerprint(w.model))
+    v = verify(w, plan, timing=False)
+    assert v.gradients_bitwise_equal and v.num_gradients == 3 * 12
+    assert v.traced_peak_bytes == replay(p.candidates, [p.candidates.index(attention)]).peak().bytes

@@ -685,4 +685,12 @@ def _user_errors(what: str) -> Iterator[None]:
         raise InputError(f"{what} called sys.exit({exc.code!r}) in the model, loss or optimizer") from None
     except Exception as exc:
         message = " ".join(str(exc).split())[:300]
-        raise InputError(f"{what} raised {type(exc).__name__}: {message}") from exc
+        hint = _CHECKPOINT_HINT if type(exc).__name__ == "CheckpointError" and "metadata" in message else ""
+        raise InputError(f"{what} raised {type(exc).__name__}: {message}{hint}") from exc
+
+
+_CHECKPOINT_HINT = (
+    " (if the model checkpoints a call that passes one tensor as several arguments, such as self-attention's "
+    "attn(x, x, x): under saved-tensor hooks, which tracing uses, PyTorch recomputes it with distinct tensors and "
+    "nn.MultiheadAttention then takes another path; checkpoint a function that takes the tensor once)"
+)
