@@ -213,6 +213,7 @@ def run(config: RunConfig) -> RunResult:
     from trainledger.workload import run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
+    refuse_sparse_gradients(load_workload(config.model).model)
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
@@ -276,6 +277,19 @@ def _check_model_spec(spec: str) -> None:
     load_workload(spec)  # raises the one-line error that names what is wrong
 
 
+def refuse_sparse_gradients(model: nn.Module) -> None:
+    """Sparse gradients are not sharded: FSDP refuses them, and DDP exchanges index and value lists whose length
+    is the batch's, which the prediction (dense gradients, dense buckets) does not model."""
+    from trainledger.trace import declares_sparse_gradients
+
+    if declares_sparse_gradients(model):
+        raise InputError(
+            "the model has sparse gradients (an nn.Embedding or nn.EmbeddingBag with sparse=True): FSDP does not "
+            "shard them and the prediction models dense gradients; shard it with sparse=False, or trace it "
+            "(trainledger trace) on one process"
+        )
+
+
 def units_of(model: nn.Module) -> tuple[str, ...]:
     """The units FSDP wraps (each repeated block; the root takes the rest), as :func:`run` wraps them."""
     names = [n for n, _ in model.named_parameters()]
@@ -336,6 +350,7 @@ def reference_step(
     from trainledger.trace import trace
 
     workload = load_workload(model)
+    refuse_sparse_gradients(workload.model)
     ledger = trace(workload, kernel_kind=kernel_kind, cuda_device=cuda_device, world_size=world_size)
     seconds = _phase_seconds(workload) if time_phases else None
     units = units_of(workload.model)
