@@ -213,7 +213,6 @@ def run(config: RunConfig) -> RunResult:
     from trainledger.workload import run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
-    refuse_sparse_gradients(load_workload(config.model).model)
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
@@ -568,7 +567,8 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
 
     rank = dist.get_rank()
     stage("building the workload")
-    workload = load_workload(cfg["model"])
+    workload = load_workload(cfg["model"])  # here: a factory may ask for its rank
+    refuse_sparse_gradients(workload.model)
     if cfg["backend"] == "nccl":  # rank r on GPU r: the model and its batch
         device = torch.device("cuda", torch.cuda.current_device())
         workload.model.to(device)
