@@ -77,10 +77,9 @@ from trainledger.trace import (
     ModuleScopes,
     SparseStepTracer,
     StepTracer,
-    declares_sparse_gradients,
     fsdp_storages,
+    has_sparse_gradients,
     mark_optimizer_outputs,
-    sparse_gradient_substitutes,
     traced_ledger,
     with_kernel_workspace,
 )
@@ -291,11 +290,8 @@ class Recording(contextlib.ContextDecorator):
         objects = _objects_of_types({torch.Tensor, nn.Parameter, optimized_module_type()} - {None})
         self._compiled = compiled_modules(self.model, [o for o in objects if not isinstance(o, torch.Tensor)])
         scopes = ModuleScopes([("", self.model)])
-        sparse = declares_sparse_gradients(self.model)
-        kind = _SparseLoopTracer if sparse else _LoopTracer
+        kind = _SparseLoopTracer if has_sparse_gradients(self.model) else _LoopTracer
         tracer = (dynamo_skipped(kind) if self._compiled else kind)(scopes)
-        if sparse:
-            tracer.substitutes.update(sparse_gradient_substitutes(lambda: tracer.phase == "backward"))
         for opt in self.optimizers:
             for t, owner in iter_state(self.model, opt):
                 tracer.known(t, owner.name, owner.category, owner.role)

@@ -480,9 +480,9 @@ class _Wrapped:
 
 def _each_tensor_once(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None:
+) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]] | None:
     """A call passing one tensor as several arguments (self-attention's ``attn(x, x, x)``), as one that passes
-    each tensor once and rebuilds the arguments inside; ``None`` when no tensor repeats.
+    each tensor once, positionally, and rebuilds the arguments inside; ``None`` when no tensor repeats.
 
     Checkpointing saves its inputs for backward, and under saved-tensor hooks (a tracer's, the user's
     offloading) each comes back as a tensor object of its own: ``query is key`` no longer holds when the region
@@ -501,7 +501,7 @@ def _each_tensor_once(
         pick = lambda j, value: value if j is None else given[j]  # noqa: E731
         return fn(*(pick(j, a) for j, a in positional), **{k: pick(j, v) for k, (j, v) in named.items()})
 
-    return rebuilt, tuple(unique), {}
+    return rebuilt, tuple(unique)
 
 
 def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrapped:
@@ -529,7 +529,7 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         extra = {} if context_fn is None else {"context_fn": context_fn, **_sac_hooks_argument()}
         once = _each_tensor_once(fn, args, kwargs)
         if once is not None:
-            fn, args, kwargs = once
+            (fn, args), kwargs = once, {}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     module.__dict__[_STATE] = st

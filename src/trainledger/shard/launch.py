@@ -279,9 +279,9 @@ def _check_model_spec(spec: str) -> None:
 def refuse_sparse_gradients(model: nn.Module) -> None:
     """Sparse gradients are not sharded: FSDP refuses them, and DDP exchanges index and value lists whose length
     is the batch's, which the prediction (dense gradients, dense buckets) does not model."""
-    from trainledger.trace import declares_sparse_gradients
+    from trainledger.trace import has_sparse_gradients
 
-    if declares_sparse_gradients(model):
+    if has_sparse_gradients(model):
         raise InputError(
             "the model has sparse gradients (an nn.Embedding or nn.EmbeddingBag with sparse=True): FSDP does not "
             "shard them and the prediction models dense gradients; shard it with sparse=False, or trace it "

@@ -55,12 +55,7 @@ from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._restore import RESTORED_NOTE, TrainingState
 from trainledger.trace._rngstate import RNG_STATE_ROLE, rng_states_seen
 from trainledger.trace._scopes import ModuleScopes
-from trainledger.trace._sparse import (
-    SparseStepTracer,
-    declares_sparse_gradients,
-    has_sparse_gradients,
-    sparse_gradient_substitutes,
-)
+from trainledger.trace._sparse import SparseStepTracer, has_sparse_gradients
 from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
@@ -85,13 +80,12 @@ __all__ = [
     "TrainingState",
     "active_tracer",
     "cuda_device_of",
-    "declares_sparse_gradients",
     "fsdp_storages",
+    "has_sparse_gradients",
     "kernel_internal_bytes",
     "mark_optimizer_outputs",
     "record_forward",
     "sdpa_backend",
-    "sparse_gradient_substitutes",
     "trace",
     "trace_stacked",
     "traced_ledger",
@@ -465,7 +459,7 @@ def _warm_up(workload: Workload, kernels: CudaKernels | None, *, fake: bool) -> 
     def on_phase(phase: str) -> None:
         nonlocal sparse
         if phase == "optimizer":
-            sparse = has_sparse_gradients(workload)
+            sparse = has_sparse_gradients(workload.model)
         if kernels is not None:
             kernels.on_phase(phase)
 
@@ -480,18 +474,6 @@ def _warm_up(workload: Workload, kernels: CudaKernels | None, *, fake: bool) -> 
     return sparse
 
 
-def _step_tracer(
-    scopes: ModuleScopes, *, fake: bool, cuda: bool, sparse: bool, progress: ProgressFn | None
-) -> StepTracer:
-    """The step's tracer, with the substitutes its kind of trace needs. Sparse gradients only get theirs: following
-    their parts, and a substitute, cost a little per op."""
-    substitutes = {**(FAKE_SUBSTITUTES if fake else {}), **(DISPATCH_SUBSTITUTES if cuda else {})}
-    tracer = (SparseStepTracer if sparse else StepTracer)(scopes, fake=fake, progress=progress, substitutes=substitutes)
-    if sparse:
-        tracer.substitutes.update(sparse_gradient_substitutes(lambda: tracer.phase == "backward"))
-    return tracer
-
-
 def _trace(
     workload: Workload, progress: ProgressFn | None, *, fake: bool = False, cuda: Device | None = None
 ) -> tuple[Ledger, list[tuple[int, str, str, KernelCall | None]]]:
@@ -503,7 +485,9 @@ def _trace(
 
     roots = [("", model)] + ([(REFERENCE_SCOPE, reference)] if reference is not None else [])
     scopes = ModuleScopes(roots, outside=LOSS_SCOPE)
-    tracer = _step_tracer(scopes, fake=fake, cuda=cuda is not None, sparse=sparse, progress=progress)
+    substitutes = {**(FAKE_SUBSTITUTES if fake else {}), **(DISPATCH_SUBSTITUTES if cuda else {})}
+    # only a step with sparse gradients pays for following them (see ``_sparse``)
+    tracer = (SparseStepTracer if sparse else StepTracer)(scopes, fake=fake, progress=progress, substitutes=substitutes)
     for t, owner in iter_state(model, optimizer, reference=reference):
         tracer.known(t, owner.name, owner.category, owner.role)
     for i, t in enumerate(iter_tensors(workload.batch)):

@@ -17,43 +17,43 @@ nothing for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from trainledger.inventory import storage_key, storage_parts
 from trainledger.trace._tracer import StepTracer, tensors_of
-from trainledger.workload import Workload
 
 _CLONE = torch.ops.aten.clone.default
 
 
-def has_sparse_gradients(workload: Workload) -> bool:
-    """Whether the step's gradients were sparse where the warm-up step left any (read at its optimizer
-    phase, before ``zero_grad``)."""
-    return any(p.grad is not None and p.grad.layout is torch.sparse_coo for p in workload.model.parameters())
-
-
-def declares_sparse_gradients(model: torch.nn.Module) -> bool:
-    """Whether a module says its gradient is sparse (``nn.Embedding``'s and ``nn.EmbeddingBag``'s ``sparse``)
-    or a gradient already is: what a recording of the user's loop knows before a step runs."""
+def has_sparse_gradients(model: torch.nn.Module) -> bool:
+    """Whether a module says its gradient is sparse (``nn.Embedding``'s and ``nn.EmbeddingBag``'s ``sparse``) or a
+    gradient is: asked after a warm-up step's backward (any sparse gradient then exists), or before a step of the
+    user's own loop (the modules' word only)."""
     return any(getattr(m, "sparse", False) is True for m in model.modules()) or any(
         p.grad is not None and p.grad.layout is torch.sparse_coo for p in model.parameters()
     )
 
 
-def sparse_gradient_substitutes(in_backward: Callable[[], bool]) -> dict[Any, Any]:
-    """The tracer's substitute for ``clone``: ``AccumulateGrad``'s shallow copy of a sparse gradient
-    (backward, grad mode off, contiguous parts) in place of the full one the dispatch mode caused."""
+class SparseStepTracer(StepTracer):
+    """The step tracer for a step with sparse gradients: ``AccumulateGrad``'s sharing put back, and the parts of
+    sparse tensors followed where kernels make or grow them (see above). Parts an op returns as new storages the
+    base tracer already records; this one adds the parts of what in-place ops return, and growth."""
 
-    def shallow(out: Any, args: tuple[Any, ...]) -> Any:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.substitutes = {**self.substitutes, _CLONE: self._shared_gradient}
+
+    def _shared_gradient(self, out: Any, args: tuple[Any, ...]) -> Any:
+        """``AccumulateGrad``'s shallow copy of a sparse gradient (backward, grad mode off, contiguous parts) in
+        place of the full ``clone`` the dispatch mode caused."""
         grad = args[0] if args else None
         if (
             not isinstance(grad, torch.Tensor)
             or grad.layout is not torch.sparse_coo
             or torch.is_grad_enabled()
-            or not in_backward()
+            or self.phase != "backward"
         ):
             return out
         indices, values = grad._indices(), grad._values()
@@ -62,12 +62,6 @@ def sparse_gradient_substitutes(in_backward: Callable[[], bool]) -> dict[Any, An
         return torch.sparse_coo_tensor(
             indices, values, grad.shape, is_coalesced=grad.is_coalesced(), check_invariants=False
         )
-
-    return {_CLONE: shallow}
-
-
-class SparseStepTracer(StepTracer):
-    """The step tracer, also following the parts of sparse tensors that kernels make or grow (see above)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
