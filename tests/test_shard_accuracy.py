@@ -25,6 +25,7 @@ CASES = [
     ("lm_sgd_gate", 2),  # a (1, C) gate: rank 1 holds no real row of it; SGD's momentum
     ("lm_lora", 1),  # ZeroRedundancyOptimizer: the rank's own parameters, in its own order
     ("conv_net", 0),  # DDP: buffers broadcast, buckets rebuilt (the first one small)
+    ("conv_unet", 3),  # convolutions' buffers follow the thread count: a rank's, not one whole process's
 ]
 
 

@@ -115,3 +115,29 @@ def test_device_kind_is_refused_with_run_and_without_a_traced_model(cli):
         code, _, err = cli("shard", *argv)
         assert code == 2 and fragment in err, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_cpu_prediction_traces_the_step_on_each_rank_s_threads():
+    """What a convolution allocates inside the op follows the intra-op thread count, and each CPU rank runs on
+    its share of the cores: the step a prediction shards is traced on that share (``rank_threads``), so its
+    kernel buffers are the ranks' (``tests/test_shard_accuracy.py`` runs it), and the count is put back."""
+    from pathlib import Path
+
+    import torch
+
+    from trainledger.shard.launch import rank_threads, reference_step
+    from trainledger.sources import load_workload
+    from trainledger.trace import trace
+    from trainledger.workload import intra_op_threads
+
+    model = f"{Path(__file__).parent / 'fixtures' / 'shard_models.py'}:conv_unet"
+    before = torch.get_num_threads()
+    ref = reference_step(model, world_size=2)
+    assert torch.get_num_threads() == before
+    with intra_op_threads(rank_threads(2)):
+        alone = trace(load_workload(model))
+    assert ref.ledger.peak().bytes == alone.peak().bytes
+    assert [e.nbytes for e in ref.ledger.select(role="kernel_internal")] == [
+        e.nbytes for e in alone.select(role="kernel_internal")
+    ]
+    assert any(f"on {rank_threads(2)} intra-op threads" in note for note in ref.ledger.notes)

@@ -190,6 +190,21 @@ def autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run the block on ``count`` intra-op threads (``torch.set_num_threads``), then restore the count.
+
+    What CPU kernels allocate inside an op depends on it (oneDNN's convolutions keep scratch per thread),
+    and so do timings: a trace, a measurement or a timed step states or fixes the count it ran at.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def quiet_gc(*, generation: int = 2) -> Iterator[None]:
     """Collect garbage first, then keep the cyclic collector paused for the duration.
 

@@ -167,7 +167,7 @@ def compute(args: argparse.Namespace) -> ShardReport:
             time_phases=args.link_gbps is not None and not cuda,
             kernel_kind="cuda" if cuda else "cpu",
             cuda_device=args.device if cuda else None,
-            world_size=args.world if cuda else 1,
+            world_size=args.world,
         )
         how = "with cuda kernels on fake tensors" if cuda else "in one process"
         ledger, source, engine = ref.ledger, f"{args.model}, traced {how}", args.engine or "torch"

@@ -30,7 +30,14 @@ from torch.utils._pytree import tree_map
 from trainledger.checks import whole_number
 from trainledger.ledger import Ledger
 from trainledger.trace import MeasuredStep, trace
-from trainledger.workload import Workload, profiler_stderr_filtered, quiet_gc, require_workload, run_step
+from trainledger.workload import (
+    Workload,
+    intra_op_threads,
+    profiler_stderr_filtered,
+    quiet_gc,
+    require_workload,
+    run_step,
+)
 
 __all__ = ["Measurement", "measure"]
 
@@ -91,18 +98,14 @@ step 100 times slower (1.5 s against 15.6 ms quiet); one thread is repeatable (a
 
 def _timed_steps(workload: Workload, device: str, num_steps: int) -> tuple[float, ...]:
     """Wall times of ``num_steps`` untraced steps on :data:`STEP_THREADS` intra-op threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(STEP_THREADS)
-    try:
-        times = []
+    times = []
+    with intra_op_threads(STEP_THREADS):
         for _ in range(num_steps):
             _sync(device)
             t0 = time.perf_counter()
             run_step(workload)
             _sync(device)
             times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
     return tuple(times)
 
 

@@ -23,7 +23,7 @@ import torch
 from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan
-from trainledger.workload import Workload, call_model, compute_loss, run_step
+from trainledger.workload import Workload, call_model, compute_loss, intra_op_threads, run_step
 
 AGREEMENT = 0.01
 """Predicted and traced peaks must agree within this share of the traced peak."""
@@ -226,23 +226,21 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
     state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     plain: list[float] = []
     planned: list[float] = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the per-op costs: stable on a busy machine (see trace.record_forward)
     try:
-        for i in range(repeats + 1):
-            for times, applied in ((plain, False), (planned, True)):
-                if applied:
-                    plan.apply(model)
-                try:
-                    start = time.perf_counter()
-                    run_step(workload)
-                    if i:
-                        times.append(time.perf_counter() - start)
-                finally:
+        with intra_op_threads(1):  # as the per-op costs: stable on a busy machine (see trace.record_forward)
+            for i in range(repeats + 1):
+                for times, applied in ((plain, False), (planned, True)):
                     if applied:
-                        plan.remove(model)
+                        plan.apply(model)
+                    try:
+                        start = time.perf_counter()
+                        run_step(workload)
+                        if i:
+                            times.append(time.perf_counter() - start)
+                    finally:
+                        if applied:
+                            plan.remove(model)
     finally:
-        torch.set_num_threads(threads)
         model.load_state_dict(state)
         opt.load_state_dict(opt_state)
     return statistics.median(plain), statistics.median(planned)

@@ -210,7 +210,7 @@ def run(config: RunConfig) -> RunResult:
     """
     from trainledger.sources import load_workload
     from trainledger.trace import trace
-    from trainledger.workload import run_step
+    from trainledger.workload import intra_op_threads, run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
@@ -219,9 +219,10 @@ def run(config: RunConfig) -> RunResult:
     # the reference step is taken at the ranks' point in training: what a data-dependent model (MoE
     # routing) allocates depends on its weights
     single = load_workload(config.model)
-    for _ in range(STEPS_BEFORE_TRACE):
-        run_step(single)
-    reference = trace(single)
+    with intra_op_threads(rank_threads(config.world_size)):  # a kernel's buffers inside follow the count
+        for _ in range(STEPS_BEFORE_TRACE):
+            run_step(single)
+        reference = trace(single)
     workload = load_workload(config.model)
     units = units_of(workload.model)
     prediction = shard(
@@ -241,6 +242,13 @@ def run(config: RunConfig) -> RunResult:
         "reduce-scatter: input), counted on each rank",
     )
     return RunResult(config, prediction, reference, ranks, notes)
+
+
+def rank_threads(world_size: int) -> int:
+    """The intra-op threads each CPU rank runs on: this machine's cores shared out among the ranks. What a
+    CPU kernel allocates inside an op depends on the count (oneDNN's convolutions keep scratch per thread),
+    so a prediction traces the step on the same count."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def late_units(workload: Any, units: tuple[str, ...]) -> tuple[str, ...]:
@@ -338,7 +346,8 @@ def reference_step(
 
     With ``kernel_kind="cuda"`` the step is traced as PyTorch's CUDA kernels would run it on ``cuda_device``
     (default an H100), on fake tensors (see :func:`trainledger.trace.trace`); ``world_size`` then sizes NCCL's
-    buffers, stated beside the ledger.
+    buffers, stated beside the ledger. On this machine's kernels the step runs on the intra-op threads each
+    of ``world_size`` ranks would have here (:func:`rank_threads`): a kernel's buffers inside follow the count.
 
     Example (not run here: it builds and traces a model)::
 
@@ -347,11 +356,14 @@ def reference_step(
     """
     from trainledger.sources import load_workload
     from trainledger.trace import trace
+    from trainledger.workload import intra_op_threads
 
     workload = load_workload(model)
     refuse_sparse_gradients(workload.model)
-    ledger = trace(workload, kernel_kind=kernel_kind, cuda_device=cuda_device, world_size=world_size)
-    seconds = _phase_seconds(workload) if time_phases else None
+    threads = torch.get_num_threads() if kernel_kind == "cuda" else rank_threads(world_size)
+    with intra_op_threads(threads):
+        ledger = trace(workload, kernel_kind=kernel_kind, cuda_device=cuda_device, world_size=world_size)
+        seconds = _phase_seconds(workload) if time_phases else None
     units = units_of(workload.model)
     return ReferenceStep(ledger, units, late_units(workload, units), seconds)
 
@@ -528,7 +540,7 @@ def _rank_main(rank: int, world_size: int, port: int, tmp: str, parent_pid: int)
 
     try:
         stage("joining the process group")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(rank_threads(world_size))
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
         timeout = timedelta(seconds=cfg["timeout_seconds"] + 60)  # the parent's deadline comes first
         if cfg["backend"] == "nccl":

@@ -104,7 +104,8 @@ def _kernel_note(num_entries: int, counts: KernelCounts) -> str:
     if num_entries:
         inside = (
             f", plus {num_measured} buffers that CPU kernels allocate and free inside one op (workspace, role "
-            "kernel_internal, evidence measured: each kernel run alone on this machine)"
+            f"kernel_internal, evidence measured: each kernel run alone on this machine, on {torch.get_num_threads()} "
+            "intra-op threads, which some kernels' buffers depend on)"
         )
     else:
         inside = (

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from trainledger.inventory import storage_key
 from trainledger.trace._scopes import ModuleScopes
-from trainledger.workload import Workload, autocast, call_model, compute_loss
+from trainledger.workload import Workload, autocast, call_model, compute_loss, intra_op_threads
 
 
 @dataclass(frozen=True)
@@ -185,15 +185,11 @@ def record_forward(
     buffers = {k: v.clone() for k, v in model.state_dict().items() if not isinstance(v, nn.Parameter)}
     roots = [("", model)] + ([("reference", workload.reference)] if workload.reference is not None else [])
     runs: list[_Recorder] = []
-    threads = torch.get_num_threads()
     # One intra-op thread while timing: on a busy machine, waiting for a descheduled worker thread makes
     # single ops 100x slower at random; one thread gives stable relative costs, which is what the
     # solvers need (absolute times are those of one thread).
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         _record_runs(workload, roots, runs, repeats)
-    finally:
-        torch.set_num_threads(threads)
     with torch.no_grad():
         for k, v in model.state_dict().items():
             if k in buffers:
