@@ -473,3 +473,24 @@ def test_every_bad_python_call_raises_one_line_input_error(c: Call) -> None:
     assert not any(f"--{w}" in message for w in ("world", "seq-len", "params", "budgets", "model", "stage"))
     _check_message(message, bad)
     assert seconds < 10
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_in_one_line(cli, tmp_path):
+    """L-BFGS evaluates the loss up to ``max_iter`` times inside ``step(closure)``: there is no one forward,
+    backward and step to trace, and the bare ``step()`` would fail inside the warm-up with torch's TypeError."""
+    workload = trainledger.Workload(
+        torch.nn.Linear(4, 1), torch.randn(3, 4), loss_fn=lambda out, _b: out.sum(), optimizer=torch.optim.LBFGS
+    )
+    with pytest.raises(InputError, match=r"LBFGS\.step\(\) needs a closure"):
+        trainledger.trace(workload)
+    factory = tmp_path / "lbfgs.py"
+    factory.write_text(
+        "import torch, trainledger\n"
+        "def build():\n"
+        "    return trainledger.Workload(torch.nn.Linear(4, 1), torch.randn(3, 4), loss_fn=lambda o, b: o.sum(),\n"
+        "                                optimizer=torch.optim.LBFGS)\n"
+    )
+    for command in ("state", "trace", "plan"):
+        args = (command, "--model", f"{factory}:build", *(("--budget", "50%") if command == "plan" else ()))
+        code, out, err = cli(*args)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "needs a closure" in err, err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import sys
 import tempfile
@@ -87,8 +88,23 @@ class Workload:
                 opt = opt(params)
             if not any(p.requires_grad for g in opt.param_groups for p in g["params"]):
                 raise InputError("the optimizer holds no trainable parameters; give it the model's parameters")
+            _refuse_closure_step(opt)
             self._optimizer = opt
         return self._optimizer
+
+
+def _refuse_closure_step(opt: torch.optim.Optimizer) -> None:
+    """A step is one forward, one backward and ``optimizer.step()``: an optimizer whose step needs a closure
+    (L-BFGS evaluates the loss and its gradient up to ``max_iter`` times inside one step) has no such step."""
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or wrapped step without a signature: let it run
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise InputError(
+            f"{type(opt).__name__}.step() needs a closure (it re-evaluates the loss inside the step): a traced "
+            "step is one forward, backward and optimizer.step(); use an optimizer that steps without one"
+        )
 
 
 def _check_module(value: Any, what: str, *, required: bool) -> None:
