@@ -334,3 +334,27 @@ def test_compiled_modules_are_found_however_compiled() -> None:
     assert compiled_modules(model) == ["0", "1"]
     del wrapper
     assert compiled_modules(model) == ["1"]
+
+
+def test_a_validation_loss_outside_no_grad_is_freed_each_step() -> None:
+    """A loss computed for its value only (``.item()``, no ``no_grad``) builds a graph that no backward runs: the
+    saved-tensor hooks kept it alive (a cycle through its tanh node), so each recorded step held every earlier
+    step's graph as ``held_by_loop`` (+1,024 bytes a step here) and the tensors outlived the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
+    held = torch.randn(8, 16)
+    gc.collect()
+    before = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    with record(model, opt) as rec:
+        for x, y in data:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            validation = torch.nn.functional.mse_loss(model(held), y).item()  # noqa: F841
+    peaks = [rec.ledger(step=s).peak().bytes for s in rec.steps[1:-1]]
+    assert len(peaks) >= 3 and len(set(peaks)) == 1, peaks
+    del rec
+    gc.collect()
+    assert sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)) == before

@@ -422,7 +422,28 @@ class StepTracer(TorchDispatchMode):
             rec = self.storages.get(_storage_address(t))
             if rec is not None:
                 rec.saved = True
-        return t
+        return t if t.grad_fn is None else self._detached(t)
+
+    def _detached(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` without its autograd history, made out of this mode's sight, for a saved-tensor hook to keep.
+
+        What the hook keeps must not hold ``grad_fn``: an output its own node saves (tanh's, softmax's) would hold
+        the node that holds it, a cycle through C++ objects that no collector frees. Backward breaks it by
+        releasing what it saved; a graph dropped without backward (an unused head, a detached GAN sample, a
+        validation loss outside ``no_grad``) would live on, in the trace and in the process after it. PyTorch keeps
+        such outputs without their history itself (``tensor_data()``), and on unpack autograd gives it back."""
+        if type(t) in _PLAIN:
+            with _DisableTorchDispatch():  # no event: the alias is the hook's, not the step's
+                return t.detach()
+        # a subclass (a fake tensor, a DTensor) detaches through its own dispatch, below this mode
+        depth = _dispatch_stack_depth()
+        if depth and _dispatch_mode_at(depth - 1) is self:
+            _pop_dispatch_mode(None)
+            try:
+                return t.detach()
+            finally:
+                _push_dispatch_mode(self)
+        return t.detach()
 
     def unpack(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
@@ -770,6 +791,11 @@ def _dtensor_types() -> tuple[type, ...]:
 
 
 _get_ident = threading.get_ident  # asked at every free: bound once
+_DisableTorchDispatch = torch._C._DisableTorchDispatch
+_dispatch_stack_depth = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+_pop_dispatch_mode = torch._C._pop_torch_dispatch_stack
+_push_dispatch_mode = torch._C._push_on_torch_dispatch_stack
 _STRIDED = torch.strided
 _Tensor = torch.Tensor
 # The storage's identity, as ``storage_key`` (``untyped_storage()._cdata``) gives it, without making the
