@@ -228,3 +228,31 @@ def test_an_extended_trace_holds_the_copies_of_the_whole_trace(kind):
     assert stacked.meta["blocks"]["extended"] and _entries(stacked) == _entries(whole)
     head = [e for e in _internal(whole) if e.owner == "lm_head"]
     assert [e.nbytes for e in head] == [4 * 32 * 256 * 4] * 2  # the (128, 256) expanded logits' gradient
+
+
+def _reduced_precision_mlp(kind: str) -> Workload:
+    """An MLP whose products run in bf16 (under autocast, or bf16 weights) or fp16 weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+    x = torch.randn(16, 32)
+
+    def loss(out: torch.Tensor, _batch: object) -> torch.Tensor:
+        return out.float().logsumexp(-1).mean()
+
+    if kind == "autocast-bf16":
+        return Workload(model, (x,), loss_fn=loss, autocast_dtype=torch.bfloat16)
+    dtype = getattr(torch, kind)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    return Workload(model.to(dtype), (x.to(dtype),), loss_fn=loss, optimizer=sgd)
+
+
+@pytest.mark.parametrize("kind", ["autocast-bf16", "bfloat16", "float16"])
+def test_reduced_precision_products_hold_what_onednn_holds_inside(kind):
+    """CPU products in bf16 and fp16 go to oneDNN, which on some processors reorders its operands into blocked
+    layouts inside the op (a tensor trace sees none of it): every such call is probed. On this project's machine
+    the bf16-weight step was traced 14,320 bytes against the allocator's 36,272 before (the peak is inside a
+    product's backward); now the trace is the allocator's count wherever oneDNN holds nothing else unseen."""
+    m = measure(_reduced_precision_mlp(kind), num_steps=1)
+    assert 0 <= m.peak_bytes - m.traced.peak().bytes <= 16, (m.peak_bytes, m.traced.peak().bytes)
+    fake = trace(_reduced_precision_mlp(kind), fake=True)
+    assert fake.peak().bytes == m.traced.peak().bytes

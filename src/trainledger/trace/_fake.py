@@ -172,9 +172,27 @@ def _suggested_format(x: Any) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _mixed_statistics(weight_at: int) -> Any:
+    """``native_layer_norm`` / ``native_group_norm`` (weight at ``weight_at``): the CPU kernels keep mean and rstd
+    in the parameters' dtype when input and parameters differ (``is_mixed_type``: a bf16 activation under fp32
+    LayerNorm weights, as autocast and bf16-activation training run it), the meta kernels in the input's. The
+    statistics are saved for backward, whose probe then runs the real kernel on them."""
+
+    def substitute(out: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+        result, mean, rstd = out
+        weight = args[weight_at] if len(args) > weight_at else None
+        if not isinstance(weight, torch.Tensor) or weight.dtype == mean.dtype:
+            return out
+        return result, torch.empty_like(mean, dtype=weight.dtype), torch.empty_like(rstd, dtype=weight.dtype)
+
+    return substitute
+
+
 FAKE_SUBSTITUTES: dict[Any, Any] = {
     torch.ops.aten.native_layer_norm_backward.default: _contiguous_grad_input,
     torch.ops.aten.native_batch_norm_backward.default: _grad_input_as_input,
+    torch.ops.aten.native_layer_norm.default: _mixed_statistics(2),
+    torch.ops.aten.native_group_norm.default: _mixed_statistics(1),
 }
 """Below autograd, in a fake trace: ops whose meta kernels lay outputs out otherwise than the real kernels, with
 the function that gives the real kernel's layout (same bytes; what follows may copy or not)."""

@@ -240,12 +240,16 @@ def scaling_of(call: KernelCall) -> Scaling | None:
 
 def seconds_to_run(call: KernelCall) -> float:
     """Predicted seconds to run ``call`` twice, from this process's speed on a reference convolution of its
-    dtype; 0 for ops other than convolutions (their kernels work in proportion to their bytes). A convolution
-    that cannot be scaled and is predicted too slow is left out rather than run."""
+    dtype; for a matrix product or SDPA's flash kernel from its multiply-adds; 0 for other ops (their kernels work
+    in proportion to their bytes). A call that cannot be scaled and is predicted too slow is left out rather than
+    run (a 405B model's projections, probed on this CPU, took seconds each)."""
     conv = conv_of(call)
     if conv is not None:
         return 2 * conv.flops() / _flops_per_second(conv.call.args[1].dtype)
     op = str(call.op)
+    product = _product_flops(op, call.args)
+    if product is not None:
+        return 2 * product[0] / _flops_per_second(product[1])
     if not op.startswith(_CONV):
         return 0.0
     # Grouped, transposed, 1-D or 3-D: at most every input pixel times every weight (stride 1 bounds it).
@@ -257,6 +261,28 @@ def seconds_to_run(call: KernelCall) -> float:
     flops = 2 * x.shape[0] * math.prod(x.shape[2:]) * math.prod(weight.shape) * passes
     return 2 * flops / _flops_per_second(weight.dtype)
 
+
+def _product_flops(op: str, args: tuple[Any, ...]) -> tuple[float, torch.dtype] | None:
+    """FLOPs and dtype of a matrix product (its two matrix operands: the last two of ``args`` that have shapes)
+    or of SDPA's CPU flash kernel (query and key: 4 x B x H x L x S x E forward, about twice that backward)."""
+    shaped = [a for a in args if hasattr(a, "shape") and hasattr(a, "dtype")]
+    if op.startswith("aten._scaled_dot_product_flash_attention_for_cpu"):
+        q, k = (shaped[1], shaped[2]) if op.endswith("_backward.default") else (shaped[0], shaped[1])
+        if len(q.shape) != 4 or len(k.shape) != 4:
+            return None
+        passes = 2 if op.endswith("_backward.default") else 1
+        return 4.0 * passes * math.prod(q.shape) * k.shape[-2], q.dtype
+    if not op.startswith(_PRODUCTS) or len(shaped) < 2:
+        return None
+    a, b = shaped[-2], shaped[-1]
+    if not a.shape or not b.shape:
+        return None
+    # (…, n, k) by (…, k, m) or by a vector (k,): 2 x every element of a x the other side of b
+    return 2.0 * math.prod(a.shape) * (b.shape[-1] if len(b.shape) >= 2 else 1), a.dtype
+
+
+_PRODUCTS = ("aten.mm", "aten.addmm", "aten._addmm_activation", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.mv",
+             "aten.addmv")  # fmt: skip
 
 _RATES: dict[torch.dtype, float] = {}
 
