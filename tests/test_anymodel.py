@@ -338,3 +338,171 @@ def test_small_instance_keeps_the_ratio_of_key_value_heads_whatever_the_config_c
     model = build_any_model(small)
     assert (model.config.num_attention_heads, model.config.num_kv_heads) == (4, 1)
     assert what == "3 blocks deep, vocab_size 512, hidden_size 64, num_attention_heads 4, num_kv_heads 1"
+
+
+_UNET = {
+    "_class_name": "UNet2DConditionModel",
+    "sample_size": 8,
+    "layers_per_block": 1,
+    "block_out_channels": [32, 64],
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+    "cross_attention_dim": 32,
+    "norm_num_groups": 8,
+    "attention_head_dim": 4,
+}
+UNET_CONDITIONING = {
+    # SDXL: pooled text embedding and size/crop ids beside the text encoder's states
+    "sdxl": {
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 80,
+    },
+    # DeepFloyd IF: the text encoder's states projected from their own width
+    "projected-text": {"encoder_hid_dim": 48},
+    "class-projection": {"class_embed_type": "projection", "projection_class_embeddings_input_dim": 12},
+    "class-timestep": {"class_embed_type": "timestep"},
+}
+
+
+_TRANSFORMERS = {
+    # Flux: latents as a sequence of packed patches, position ids for them and the text, a guidance scale
+    "flux": {
+        "_class_name": "FluxTransformer2DModel",
+        "in_channels": 16,
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,
+        "pooled_projection_dim": 16,
+        "axes_dims_rope": [4, 6, 6],
+        "guidance_embeds": True,
+    },
+    # PixArt: the T5 states at caption_channels, projected to the blocks' cross_attention_dim
+    "pixart": {
+        "_class_name": "PixArtTransformer2DModel",
+        "sample_size": 8,
+        "num_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "in_channels": 4,
+        "out_channels": 8,
+        "cross_attention_dim": 32,
+        "caption_channels": 24,
+        "norm_num_groups": 8,
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(_TRANSFORMERS))
+def test_a_diffusion_transformer_s_own_inputs_are_synthesized_and_its_trace_is_the_allocator_s(name):
+    """Flux's packed latents and ids, PixArt's caption width: the warm-up step raised on both before. Flux's peak
+    sits inside SDPA's CPU flash backward, whose buffers are probed."""
+    pytest.importorskip("diffusers")
+    from trainledger.measure import measure
+    from trainledger.trace import trace
+    from trainledger.vision import workload_from_diffusers_config
+
+    setup = Setup(micro_batch=1, seq_len=8, recipe="fp32")
+    m = measure(workload_from_diffusers_config(_TRANSFORMERS[name], setup, latent_size=8), num_steps=1)
+    assert 0 <= m.peak_bytes - m.traced.peak().bytes <= 16, (m.peak_bytes, m.traced.peak().bytes)
+    fake = trace(workload_from_diffusers_config(_TRANSFORMERS[name], setup, latent_size=8, fake=True), fake=True)
+    assert fake.peak().bytes == m.traced.peak().bytes
+
+
+def test_an_autoencoder_is_no_denoiser_and_is_refused_in_one_line(capsys, tmp_path):
+    pytest.importorskip("diffusers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"_class_name": "AutoencoderKL", "block_out_channels": [32], "norm_num_groups": 8}))
+    code = main(["trace", "--diffusers-config", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no denoiser" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("conditioning", list(UNET_CONDITIONING))
+def test_a_unet_conditioned_beyond_text_is_traced_and_its_fake_trace_equals_the_real_one(conditioning):
+    """The conditioning a UNet takes besides the text encoder's states (SDXL's ``added_cond_kwargs``, class labels
+    of each embedding kind, a projected encoder width) is sized from its config; the warm-up step raised before."""
+    pytest.importorskip("diffusers")
+    from trainledger.trace import trace
+    from trainledger.vision import workload_from_diffusers_config
+
+    config = {**_UNET, **UNET_CONDITIONING[conditioning]}
+    setup = Setup(micro_batch=2, seq_len=4, recipe="fp32")
+    workload = workload_from_diffusers_config(config, setup)
+    if conditioning == "sdxl":
+        added = workload.batch["added_cond_kwargs"]
+        assert added["text_embeds"].shape == (2, 80 - 6 * 8) and added["time_ids"].shape == (2, 6)
+    real = trace(workload)
+    fake = trace(workload_from_diffusers_config(config, setup, fake=True), fake=True)
+    assert fake.peak().bytes == real.peak().bytes > 0
+
+
+def test_a_unet_conditioned_on_image_embeddings_is_refused_in_one_line(capsys, tmp_path):
+    pytest.importorskip("diffusers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_UNET, "encoder_hid_dim": 48, "encoder_hid_dim_type": "image_proj"}))
+    code = main(["trace", "--diffusers-config", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "image embeddings" in err, err
+
+
+def test_a_config_without_a_vocabulary_is_refused_in_one_line(capsys, tmp_path):
+    """CANINE reads Unicode code points (no ``vocab_size``): a traceback before."""
+    import transformers
+
+    config = transformers.CanineConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
+    config.architectures = ["CanineForSequenceClassification"]
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    code = main(["trace", "--hf-config", str(path), "--fake"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no vocab_size" in err, err
+
+
+def test_a_depth_no_one_key_sets_is_traced_whole(tmp_path):
+    """Funnel's depth is the sum of its ``block_sizes``, and setting ``num_hidden_layers`` raises: the stacked
+    trace rebuilt it 3 and 4 blocks deep and failed with a traceback. It has no one stack to extend: traced whole."""
+    import transformers
+
+    from trainledger.anymodel import depth_of
+    from trainledger.trace import trace
+
+    config = transformers.FunnelConfig(vocab_size=128, block_sizes=[2, 2], d_model=32, n_head=2, d_head=16, d_inner=64)
+    config.architectures = ["FunnelForMaskedLM"]
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    cfg = load_any_config(path)
+    assert depth_of(cfg) is None
+    setup = Setup(micro_batch=2, seq_len=16, recipe="fp32")
+    real = trace(workload_from_any_config(cfg, setup))
+    assert trace(workload_from_any_config(cfg, setup, fake=True), fake=True).peak().bytes == real.peak().bytes
+
+
+def test_a_small_bigbird_keeps_its_block_sparse_attention():
+    """BigBird runs full attention, with modules of its own, on sequences of at most (5 + 2 x random blocks) x
+    block_size tokens: the small instance a plan is verified on (32 tokens) switched, and every verification said
+    the plan was made for another structure. Its blocks are made small enough to stay sparse."""
+    from trainledger.anymodel import small_instance
+
+    cfg = load_any_config(
+        {
+            "model_type": "big_bird",
+            "architectures": ["BigBirdForMaskedLM"],
+            "attention_type": "block_sparse",
+            "block_size": 64,
+            "num_random_blocks": 3,
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "intermediate_size": 3072,
+        }
+    )
+    small, _ = small_instance(cfg)
+    threshold = (5 + 2 * small.raw["num_random_blocks"]) * small.raw["block_size"]
+    assert small.raw["attention_type"] == "block_sparse" and threshold < 32 and 32 % small.raw["block_size"] == 0

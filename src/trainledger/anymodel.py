@@ -324,6 +324,8 @@ def depth_of(cfg: AnyConfig) -> Depth | None:
     key = type(config).attribute_map.get("num_hidden_layers", "num_hidden_layers")
     if key not in cfg.raw and "num_hidden_layers" in cfg.raw:
         key = "num_hidden_layers"
+    if not _settable(config, key, num_layers):
+        return None  # a depth derived from other settings (Funnel's block_sizes): no one key sets it
     uneven = next(
         (
             f"its layers differ ({name})"
@@ -333,6 +335,16 @@ def depth_of(cfg: AnyConfig) -> Depth | None:
         None,
     )
     return Depth(key, num_layers, uneven)
+
+
+def _settable(config: Any, key: str, value: int) -> bool:
+    """Whether ``config``'s class lets ``key`` be set (Funnel's ``num_hidden_layers`` is the sum of its
+    ``block_sizes``, and setting it raises)."""
+    try:
+        setattr(copy.copy(config), key, value)
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return False
+    return True
 
 
 _STAGE_KEYS = frozenset({"out_features", "out_indices", "stage_names"})
@@ -382,6 +394,10 @@ def _narrowed(raw: dict[str, Any], *, widths: bool = True) -> dict[str, Any]:
         depth = raw.get(key)
         if isinstance(depth, int) and not isinstance(depth, bool) and depth > _SMALL_DEPTH:
             out[key] = _SMALL_DEPTH
+    if raw.get("attention_type") == "block_sparse":
+        # BigBird runs full attention on a sequence of at most (5 + 2 x random blocks) x block_size tokens, with
+        # modules of its own: blocks small enough that a small instance's sequence still takes the sparse path
+        out.update(block_size=2, num_random_blocks=1)
     for key, value in raw.items():
         if key.endswith("_config") and isinstance(value, dict):
             out[key] = _narrowed(value, widths=widths)
@@ -554,7 +570,13 @@ def _audio(model: nn.Module, setup: Setup, draw: _Draw) -> dict[str, torch.Tenso
 def _token_ids(config: Any, task: str, setup: Setup, draw: _Draw) -> torch.Tensor:
     """Random token ids; an encoder–decoder classifier reads the state at each row's one end-of-sequence token
     (BART's), so there each row ends with it and holds it nowhere else."""
-    vocab = config.get_text_config().vocab_size
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 2:
+        # CANINE reads Unicode code points and hashes them: no vocabulary to draw from
+        raise InputError(
+            f"{type(config).__name__} has no vocab_size to draw token ids from; trace it with --model file.py:factory "
+            "and a batch of your own"
+        )
     eos = getattr(config, "eos_token_id", None)
     if not (task == "sequence-classification" and config.is_encoder_decoder and isinstance(eos, int)):
         return draw.ints((setup.micro_batch, setup.seq_len), vocab)

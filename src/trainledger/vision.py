@@ -89,13 +89,28 @@ def _diffusers_class(raw: dict[str, Any]) -> Any:
             f"diffusers config names _class_name {name!r}, which is no diffusers model; give the config.json of "
             "a model folder (UNet2DConditionModel, SD3Transformer2DModel, DiTTransformer2DModel, ...)"
         )
+    import inspect
+
+    if "timestep" not in inspect.signature(cls.forward).parameters:
+        raise InputError(
+            f"{name} is no denoiser (its forward takes no timestep): --diffusers-config traces a denoising step of a "
+            "UNet or a diffusion transformer; trace an autoencoder with --model file.py:factory and its own loss"
+        )
     return cls
 
 
 def _conditioning(config: Any, params: set[str], batch: int, tokens: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the conditioning the model's ``forward`` takes, sized from its config."""
+    """Shapes of the conditioning the model's ``forward`` takes, sized from its config: the text encoder's states
+    at the width the model reads them (``encoder_hid_dim`` where a UNet projects them, as DeepFloyd IF's;
+    ``caption_channels``, PixArt's and Sana's T5 width, projected to their ``cross_attention_dim``; SD3's and
+    Flux's ``joint_attention_dim``; else a UNet's ``cross_attention_dim``), pooled projections."""
     shapes: dict[str, tuple[int, ...]] = {}
-    width = config.get("cross_attention_dim") or config.get("joint_attention_dim") or config.get("caption_channels")
+    width = (
+        config.get("encoder_hid_dim")
+        or config.get("caption_channels")
+        or config.get("joint_attention_dim")
+        or config.get("cross_attention_dim")
+    )
     if "encoder_hidden_states" in params and width:
         shapes["encoder_hidden_states"] = (batch, tokens, width)
     if "pooled_projections" in params and config.get("pooled_projection_dim"):
@@ -103,27 +118,91 @@ def _conditioning(config: Any, params: set[str], batch: int, tokens: int) -> dic
     return shapes
 
 
+_UNSYNTHESIZED = {"image", "image_hint", "text_image", "image_proj", "text_image_proj", "ip_image_proj"}
+"""A UNet's ``addition_embed_type`` / ``encoder_hid_dim_type`` conditioned on image embeddings (Kandinsky's),
+which no config sizes."""
+
+
+def _added_conditions(config: Any, params: set[str], batch: int) -> dict[str, tuple[int, ...]]:
+    """``added_cond_kwargs``' shapes for a UNet whose ``addition_embed_type`` asks for them: SDXL's ``text_time``
+    takes the pooled text embedding and the micro-conditioning ids (size, crop, target: 6 of them, the base model's;
+    the refiner's 5 move 256 columns from the ids to the text embedding, the same bytes within one row), concatenated
+    to ``projection_class_embeddings_input_dim`` columns."""
+    if "added_cond_kwargs" not in params:
+        return {}
+    kinds = {config.get("addition_embed_type"), config.get("encoder_hid_dim_type")}
+    refused = sorted(k for k in kinds if k in _UNSYNTHESIZED)
+    if refused:
+        raise InputError(
+            f"this UNet is conditioned on image embeddings ({', '.join(refused)}, Kandinsky's), which no config sizes: "
+            "trace it with --model file.py:factory and a batch of your own"
+        )
+    if config.get("addition_embed_type") != "text_time":
+        return {}
+    width, per_id = config.get("projection_class_embeddings_input_dim"), config.get("addition_time_embed_dim")
+    if not isinstance(width, int) or not isinstance(per_id, int) or width <= per_id:
+        raise InputError(
+            "addition_embed_type 'text_time' needs projection_class_embeddings_input_dim and addition_time_embed_dim "
+            "in the config (SDXL's: 2816 and 256)"
+        )
+    ids = 6 if width > 6 * per_id else (width - 1) // per_id
+    return {"text_embeds": (batch, width - ids * per_id), "time_ids": (batch, ids)}
+
+
+def _class_labels(config: Any, params: set[str], batch: int) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The shape and dtype of the ``class_labels`` a model embeds (a class index, a timestep, a vector), or None."""
+    if "class_labels" not in params:
+        return None
+    kind = config.get("class_embed_type")
+    if kind in ("projection", "simple_projection") and config.get("projection_class_embeddings_input_dim"):
+        return (batch, config["projection_class_embeddings_input_dim"]), torch.float32
+    if kind == "identity":
+        channels = config.get("block_out_channels") or [0]
+        return (batch, config.get("time_embedding_dim") or 4 * channels[0]), torch.float32
+    if kind == "timestep" or config.get("num_embeds_ada_norm") or config.get("num_class_embeds"):
+        return (batch,), torch.long
+    return None
+
+
 def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: int, mode: Any, seed: int) -> Any:
-    """Noisy latents ``(B, C, side, side)``, timesteps, conditioning, class labels, and the target noise."""
+    """Noisy latents ``(B, C, side, side)`` (Flux's: ``(B, side², C)`` patches, with their position ids), timesteps,
+    conditioning, class labels, and the target noise, shaped as the model's output."""
     import inspect
 
     params = set(inspect.signature(model.forward).parameters)
+    config = {**raw, **dict(getattr(model, "config", None) or {})}  # the model's: diffusers fills in defaults
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
     b = setup.micro_batch
     latent = "sample" if "sample" in params else "hidden_states"
-    shapes = {latent: (b, raw.get("in_channels", 4), side, side), **_conditioning(raw, params, b, setup.seq_len)}
+    channels = raw.get("in_channels", 4)
+    out_channels = raw.get("out_channels") or channels
+    # Flux reads its latents as a sequence of patches (2 x 2 latent pixels packed into in_channels), with position
+    # ids for them and for the text tokens: side x side tokens (64 x 64: a 1024-pixel image)
+    packed = "img_ids" in params
+    image = (b, side * side, channels) if packed else (b, channels, side, side)
+    shapes = {latent: image, **_conditioning(config, params, b, setup.seq_len)}
+    added = _added_conditions(config, params, b)
+    labels = _class_labels(config, params, b)
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype) if mode is not None else torch.randn(shape, generator=gen).to(dtype)
+
     with mode if mode is not None else contextlib.nullcontext():
-        batch: dict[str, torch.Tensor] = {
-            k: torch.zeros(s, dtype=dtype) if mode is not None else torch.randn(s, generator=gen).to(dtype)
-            for k, s in shapes.items()
-        }
+        batch: dict[str, Any] = {k: draw(s) for k, s in shapes.items()}
         steps = torch.zeros(b, dtype=torch.long) if mode is not None else torch.randint(0, 1000, (b,), generator=gen)
         batch["timestep"] = steps
-        if "class_labels" in params and (raw.get("num_embeds_ada_norm") or raw.get("num_class_embeds")):
-            batch["class_labels"] = torch.zeros(b, dtype=torch.long)
-        out_channels = raw.get("out_channels") or raw.get("in_channels", 4)
-        out = (b, out_channels, side, side)
+        if added:
+            batch["added_cond_kwargs"] = {k: draw(s) for k, s in added.items()}
+        if labels is not None:
+            shape, kind = labels
+            batch["class_labels"] = torch.zeros(shape, dtype=kind) if kind == torch.long else draw(shape)
+        if packed:
+            batch["img_ids"] = torch.zeros(side * side, 3, dtype=dtype)
+            batch["txt_ids"] = torch.zeros(setup.seq_len, 3, dtype=dtype)
+            if config.get("guidance_embeds"):
+                batch["guidance"] = torch.full((b,), 3.5)  # the distilled guidance scale Flux-dev is run at
+        out = (b, side * side, out_channels) if packed else (b, out_channels, side, side)
         # the target noise stays fp32 on both paths (the loss compares in fp32), as the real build draws it
         batch["target"] = torch.zeros(out) if mode is not None else torch.randn(out, generator=gen)
     return batch
