@@ -4,6 +4,7 @@ the chosen optimizer step, with its accumulated micro-batches, and writes a ledg
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,21 @@ def check_written(ledger_path: Path, html_path: Path | None, *, micro_batches: i
     assert html_path is not None and html_path.stat().st_size > 1000
     # a folder of per-rank ledgers is what `trainledger report DIR` compares
     assert open_saved(ledger_path.parent).kind == "ranks"
+
+
+def _quiet_trainer(pl: Any, root: Path, callback: Any, **schedule: int) -> Any:
+    """A Lightning trainer on the CPU that writes nothing but what the callback writes, under ``root``."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=[callback],
+        **schedule,
+    )
 
 
 def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
@@ -81,19 +97,58 @@ def test_lightning_callback_records_a_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
     callback = TrainledgerCallback(step=1)
-    trainer = pl.Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        devices=1,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[callback],
-    )
+    trainer = _quiet_trainer(pl, tmp_path, callback, max_steps=3, accumulate_grad_batches=2)
     trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
     assert callback.written is not None
     assert callback.written.ledger == tmp_path / "trainledger" / "step-1" / "rank-0.json"
     check_written(callback.written.ledger, callback.written.html, micro_batches=2)
+
+
+def test_lightning_callback_records_a_manually_optimized_gan_and_warns_when_the_step_never_comes(
+    tmp_path: Path,
+) -> None:
+    """Lightning counts every optimizer's step: a GAN stepping two optimizers by hand begins its batches at global
+    steps 0, 2, 4. ``step=1`` never matched and nothing was written, without a word; now the first batch beginning
+    at 1 or later is recorded (its folder named after the step it began at), and a run too short warns."""
+    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra: pip install 'trainledger[lightning]'")
+    from trainledger.integrations.lightning import TrainledgerCallback
+
+    class GAN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.G = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.D = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch: list[torch.Tensor], _index: int) -> None:
+            opt_g, opt_d = self.optimizers()
+            (real,) = batch
+            fake = self.G(torch.randn(real.shape[0], 8))
+            loss_d = self.D(real).mean() - self.D(fake.detach()).mean()
+            opt_d.zero_grad()
+            self.manual_backward(loss_d)
+            opt_d.step()
+            opt_g.zero_grad()
+            self.manual_backward(self.D(fake).mean())
+            opt_g.step()
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.Adam(self.G.parameters()), torch.optim.Adam(self.D.parameters())]
+
+    def fit(callback: TrainledgerCallback, batches: int) -> None:
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(4 * batches, 4))
+        trainer = _quiet_trainer(pl, tmp_path, callback, max_epochs=1)
+        trainer.fit(GAN(), torch.utils.data.DataLoader(data, batch_size=4))
+
+    callback = TrainledgerCallback(step=1, html=False)
+    fit(callback, batches=3)
+    assert callback.written is not None
+    assert callback.written.ledger == tmp_path / "trainledger" / "step-2" / "rank-0.json"
+    led = open_saved(callback.written.ledger).result
+    assert {"forward", "backward", "optimizer"} <= {ev.phase for ev in led.events}
+
+    late = TrainledgerCallback(step=9, html=False)
+    with pytest.warns(UserWarning, match="step 9 was not recorded"):
+        fit(late, batches=2)
+    assert late.written is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,10 @@ class StepRecorder:
     :meth:`end` after it; the step is written once its optimizer step has returned.
 
     Arguments:
-        step: the optimizer step to record (the framework's global step count as that step begins; 0 is the
-            first, which also creates the optimizer's state lazily, so 1 or later shows a steady step).
+        step: the optimizer step to record: the first batch that begins at a global step count of at least
+            ``step`` (0 is the first, which also creates the optimizer's state lazily, so 1 or later shows a
+            steady step). At least, not equal: Lightning counts every optimizer's step, so a manually optimized
+            GAN's batches begin at 0, 2, 4... The folder is named after the count the recorded batch began at.
         html: also write the HTML page.
     """
 
@@ -44,10 +47,14 @@ class StepRecorder:
         self.html = html
         self.written: Written | None = None
         self._rec: Recording | None = None
+        self._began_at = -1  # the global step count the recorded batch began at
+        self._last_seen = -1
 
     def begin(self, global_step: int, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        if global_step != self.step or self._rec is not None or self.written is not None:
+        self._last_seen = global_step
+        if global_step < self.step or self._rec is not None or self.written is not None:
             return
+        self._began_at = global_step
         self._rec = record(_unwrap_model(model), *(_unwrap_optimizer(o) for o in optimizers), steps=0)
         self._rec.__enter__()
 
@@ -57,7 +64,7 @@ class StepRecorder:
             return None
         self.stop()
         rank = rec.ledger(step=0).meta.get("rank", 0)
-        folder = Path(output_dir) / FOLDER / f"step-{self.step}"
+        folder = Path(output_dir) / FOLDER / f"step-{self._began_at}"
         path = rec.save(folder / f"rank-{rank}.json", step=0)
         html = write_html(rec.ledger(step=0), folder / f"rank-{rank}.html") if self.html else None
         self.written = Written(path, html)
@@ -67,6 +74,19 @@ class StepRecorder:
         """Leave ``record`` if it is running (at the end of training, whatever happened)."""
         if self._rec is not None and self._rec.running:
             self._rec.__exit__(None, None, None)
+
+    def finish(self) -> None:
+        """At the end of training: leave ``record``, and say so when the step was never written."""
+        self.stop()
+        if self.written is None:
+            reached = (
+                f"the last batch began at global step {self._last_seen}" if self._last_seen >= 0 else "no batch ran"
+            )
+            warnings.warn(
+                f"trainledger: step {self.step} was not recorded ({reached}); nothing was written: train longer or "
+                "ask for an earlier step",
+                stacklevel=2,
+            )
 
 
 _WRAPPERS = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"})

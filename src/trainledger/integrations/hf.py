@@ -27,8 +27,8 @@ __all__ = ["TrainledgerCallback"]
 
 
 class TrainledgerCallback(TrainerCallback):  # type: ignore[misc]
-    """Records optimizer step ``step`` (``state.global_step`` as it begins; gradient accumulation's
-    micro-batches included) and writes its ledger and page under ``args.output_dir/trainledger``.
+    """Records optimizer step ``step`` (the first to begin at a ``state.global_step`` of at least ``step``; gradient
+    accumulation's micro-batches included) and writes its ledger and page under ``args.output_dir/trainledger``.
 
     Arguments:
         step: the optimizer step to record (default 1: the first steady one, after the optimizer's state exists).
@@ -52,4 +52,4 @@ class TrainledgerCallback(TrainerCallback):  # type: ignore[misc]
         self.recorder.end(args.output_dir)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.recorder.stop()
+        self.recorder.finish()

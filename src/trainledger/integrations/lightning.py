@@ -27,9 +27,9 @@ __all__ = ["TrainledgerCallback"]
 
 
 class TrainledgerCallback(Callback):  # type: ignore[misc]
-    """Records optimizer step ``step`` (``trainer.global_step`` as its first batch begins; accumulated
-    batches included) and writes its ledger and page under ``output_dir`` (default: the trainer's
-    ``default_root_dir``) ``/trainledger``.
+    """Records optimizer step ``step`` (the first batch to begin at a ``trainer.global_step`` of at least ``step``:
+    Lightning counts every optimizer's step; accumulated batches included) and writes its ledger and page under
+    ``output_dir`` (default: the trainer's ``default_root_dir``) ``/trainledger``.
 
     Arguments:
         step: the optimizer step to record (default 1: the first steady one).
@@ -53,4 +53,4 @@ class TrainledgerCallback(Callback):  # type: ignore[misc]
         self.recorder.end(self.output_dir if self.output_dir is not None else trainer.default_root_dir)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.recorder.stop()
+        self.recorder.finish()
