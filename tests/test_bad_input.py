@@ -494,3 +494,60 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_in_one_line(cli, tmp
         args = (command, "--model", f"{factory}:build", *(("--budget", "50%") if command == "plan" else ()))
         code, out, err = cli(*args)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "needs a closure" in err, err
+
+
+FAILING_FACTORIES = """
+import torch, trainledger
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+def step_raises():
+    return trainledger.Workload(_model(), torch.randn(3, 5))  # 5 features into a 4-wide layer
+
+def optimizer_is_not_one():
+    return trainledger.Workload(_model(), torch.randn(3, 4), optimizer=lambda ps: 5)
+
+def optimizer_raises():
+    def factory(ps):
+        raise RuntimeError("no optimizer today")
+    return trainledger.Workload(_model(), torch.randn(3, 4), optimizer=factory)
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "factory", "message"),
+    [
+        (("state",), "step_raises", "the step raised RuntimeError"),
+        (("state",), "optimizer_is_not_one", "the optimizer factory returned an int 5"),
+        (("state", "--no-step"), "optimizer_raises", "the optimizer factory raised RuntimeError: no optimizer today"),
+        (("trace",), "optimizer_is_not_one", "the optimizer factory returned"),
+        (("pareto", "--budgets", "2", "--cost", "flops"), "step_raises", "the warm-up step raised"),
+    ],
+)
+def test_a_failing_user_step_or_optimizer_is_one_line_in_every_command(cli, tmp_path, command, factory, message):
+    """``state`` ran the step without the one-line handling the other commands have, and an optimizer factory that
+    raised or returned something else failed with a traceback in every command."""
+    path = tmp_path / "factories.py"
+    path.write_text(FAILING_FACTORIES)
+    code, out, err = cli(command[0], "--model", f"{path}:{factory}", *command[1:])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_pareto_on_a_model_with_no_region_to_recompute_is_one_line(cli):
+    """``plan`` said so in one line; ``pareto`` handed the solver a model with no variable and raised a traceback."""
+    code, out, err = cli("pareto", "--model", "mlp", "--budgets", "2", "--cost", "flops")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "no region worth recomputing" in err
+
+
+def test_an_output_path_that_is_a_hard_link_to_an_input_is_refused(cli, tmp_path):
+    """Paths were compared, not files: a hard link to the model file was overwritten by the exported policy."""
+    model = tmp_path / "model.py"
+    model.write_text("from trainledger.examples import gpt_tiny\n\ndef make():\n    return gpt_tiny()\n")
+    link = tmp_path / "link.py"
+    os.link(model, link)
+    before = model.read_bytes()
+    code, _out, err = cli(
+        "plan", "--model", f"{model}:make", "--cost", "flops", "--budget", "80%", "--export-policy", str(link)
+    )
+    assert code == 2 and "one of the inputs" in err and model.read_bytes() == before

@@ -10,7 +10,7 @@ from trainledger.declared import StateSpec, declared_ledger
 from trainledger.errors import InputError
 from trainledger.inventory import RecoveryCheckpoint, inventory, recovery_checkpoint
 from trainledger.ledger import Ledger, Payload
-from trainledger.workload import Workload, count_autograd_nodes, require_workload, run_step
+from trainledger.workload import Workload, count_autograd_nodes, require_workload, run_step, user_errors
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ def workload_state(workload: Workload, *, take_step: bool = True) -> StateResult
         raise InputError(f"workload_state(take_step=...) is {take_step!r}; give True or False")
     nodes: list[int] = []
     if take_step:
-        run_step(workload, on_loss=lambda loss: nodes.append(count_autograd_nodes(loss)), zero_grad=False)
+        with user_errors("the step"):
+            run_step(workload, on_loss=lambda loss: nodes.append(count_autograd_nodes(loss)), zero_grad=False)
     optimizer = workload.get_optimizer()
     ledger = inventory(workload.model, optimizer, reference=workload.reference)
     ledger = ledger.with_entries(ledger.entries, meta={**ledger.meta, "model": workload.name})

@@ -85,7 +85,13 @@ class Workload:
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 if not params:
                     raise InputError("the model has no trainable parameters (all have requires_grad=False)")
-                opt = opt(params)
+                with user_errors("the optimizer factory"):
+                    opt = opt(params)
+                if not isinstance(opt, torch.optim.Optimizer):
+                    raise InputError(
+                        f"the optimizer factory returned {describe(opt)}; give a torch.optim.Optimizer instance, or a "
+                        "function of the parameters returning one"
+                    )
             if not any(p.requires_grad for g in opt.param_groups for p in g["params"]):
                 raise InputError("the optimizer holds no trainable parameters; give it the model's parameters")
             _refuse_closure_step(opt)
@@ -203,6 +209,28 @@ def autocast(workload: Workload) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     device = next(workload.model.parameters()).device.type
     return torch.autocast(device_type=device, dtype=workload.autocast_dtype)
+
+
+@contextlib.contextmanager
+def user_errors(what: str) -> Iterator[None]:
+    """Errors raised by the user's model, loss or optimizer become one clear line."""
+    try:
+        yield
+    except InputError:
+        raise
+    except SystemExit as exc:  # the user's code exiting is theirs to explain, not a silent exit of ours
+        raise InputError(f"{what} called sys.exit({exc.code!r}) in the model, loss or optimizer") from None
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:300]
+        hint = _CHECKPOINT_HINT if type(exc).__name__ == "CheckpointError" and "metadata" in message else ""
+        raise InputError(f"{what} raised {type(exc).__name__}: {message}{hint}") from exc
+
+
+_CHECKPOINT_HINT = (
+    " (if the model checkpoints a call that passes one tensor as several arguments, such as self-attention's "
+    "attn(x, x, x): under saved-tensor hooks, which tracing uses, PyTorch recomputes it with distinct tensors and "
+    "nn.MultiheadAttention then takes another path; checkpoint a function that takes the tensor once)"
+)
 
 
 @contextlib.contextmanager

@@ -292,6 +292,12 @@ def pareto(
     if (fake or kernel_kind == "cuda") and verify:
         raise InputError("pareto on fake tensors cannot verify each plan; verify one with plan --fake --verify")
     planner = Planner.build(workload, cost=cost, fake=fake, kernel_kind=kernel_kind, cuda_device=cuda_device)
+    if not planner.candidates.candidates:  # the solvers' models would have no variable
+        raise InputError(
+            "this model has no region worth recomputing (each module called once, saving activations of its own: "
+            "e.g. blocks of a ModuleList; single layers keep their inputs anyway): its front is the plain peak "
+            "alone; group layers into block modules"
+        )
     sharding = sharding or Sharding()
     if allocator is None and budget_on == "reserved":
         allocator = AllocatorConfig()

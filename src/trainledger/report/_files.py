@@ -24,6 +24,14 @@ HTML_SUFFIXES = (".html", ".htm")
 # --- output paths --------------------------------------------------------------------------------------
 
 
+def _same_file(a: str | os.PathLike[str], b: Path) -> bool:
+    """Whether two existing paths name one file (a hard link to an input has another path, the same inode)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
 def check_output_path(
     path: str | os.PathLike[str],
     suffixes: Sequence[str],
@@ -53,7 +61,7 @@ def check_output_path(
         raise InputError(f"folder {str(parent)!r} for the {what} does not exist; create it or pick another path")
     resolved = out.resolve()
     for p in protect:
-        if Path(p).resolve() == resolved:
+        if Path(p).resolve() == resolved or _same_file(p, out):
             raise InputError(
                 f"{what} path {str(path)!r} is one of the inputs; refusing to overwrite it: pick another path"
             )

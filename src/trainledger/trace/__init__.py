@@ -58,7 +58,7 @@ from trainledger.trace._scopes import ModuleScopes
 from trainledger.trace._sparse import SparseStepTracer, has_sparse_gradients
 from trainledger.trace._stack import NotRepeating, extend, find_stack, first_difference
 from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
-from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step
+from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step, user_errors
 
 __all__ = [
     "KERNEL_INTERNAL",
@@ -464,7 +464,7 @@ def _warm_up(workload: Workload, kernels: CudaKernels | None, *, fake: bool) -> 
         if kernels is not None:
             kernels.on_phase(phase)
 
-    with _user_errors("the warm-up step"), kernels or contextlib.nullcontext():
+    with user_errors("the warm-up step"), kernels or contextlib.nullcontext():
         run_step(workload, on_phase=on_phase)
     if sparse and fake:
         raise InputError(
@@ -524,7 +524,7 @@ def _trace(
         with quiet_gc(generation=1), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
             on_cpu = cuda is None and all(p.device.type == "cpu" for p in parameters)  # else host memory
             with (
-                _user_errors("the traced step"),
+                user_errors("the traced step"),
                 kernels or contextlib.nullcontext(),
                 rng_states_seen(tracer, enabled=on_cpu),
             ):
@@ -657,25 +657,3 @@ def _gradients_and_state(
             if p.grad is not None:
                 yield p.grad
             yield from (v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-
-
-@contextlib.contextmanager
-def _user_errors(what: str) -> Iterator[None]:
-    """Errors raised by the user's model, loss or optimizer become one clear line."""
-    try:
-        yield
-    except InputError:
-        raise
-    except SystemExit as exc:  # the user's code exiting is theirs to explain, not a silent exit of ours
-        raise InputError(f"{what} called sys.exit({exc.code!r}) in the model, loss or optimizer") from None
-    except Exception as exc:
-        message = " ".join(str(exc).split())[:300]
-        hint = _CHECKPOINT_HINT if type(exc).__name__ == "CheckpointError" and "metadata" in message else ""
-        raise InputError(f"{what} raised {type(exc).__name__}: {message}{hint}") from exc
-
-
-_CHECKPOINT_HINT = (
-    " (if the model checkpoints a call that passes one tensor as several arguments, such as self-attention's "
-    "attn(x, x, x): under saved-tensor hooks, which tracing uses, PyTorch recomputes it with distinct tensors and "
-    "nn.MultiheadAttention then takes another path; checkpoint a function that takes the tensor once)"
-)
