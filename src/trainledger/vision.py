@@ -12,6 +12,7 @@ weights. Either builds for a fake trace with :func:`~trainledger.anymodel.build_
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,6 @@ def _diffusers_class(raw: dict[str, Any]) -> Any:
             f"diffusers config names _class_name {name!r}, which is no diffusers model; give the config.json of "
             "a model folder (UNet2DConditionModel, SD3Transformer2DModel, DiTTransformer2DModel, ...)"
         )
-    import inspect
-
     if "timestep" not in inspect.signature(cls.forward).parameters:
         raise InputError(
             f"{name} is no denoiser (its forward takes no timestep): --diffusers-config traces a denoising step of a "
@@ -167,7 +166,6 @@ def _class_labels(config: Any, params: set[str], batch: int) -> tuple[tuple[int,
 def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: int, mode: Any, seed: int) -> Any:
     """Noisy latents ``(B, C, side, side)`` (Flux's: ``(B, side², C)`` patches, with their position ids), timesteps,
     conditioning, class labels, and the target noise, shaped as the model's output."""
-    import inspect
 
     params = set(inspect.signature(model.forward).parameters)
     config = {**raw, **dict(getattr(model, "config", None) or {})}  # the model's: diffusers fills in defaults

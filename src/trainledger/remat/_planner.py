@@ -39,6 +39,13 @@ _FIXED_PLANS = ("sqrt-n", "uniform")
 """Solvers whose plan does not depend on the budget (baselines): asked for, they are given."""
 
 
+NO_REGION = (
+    "this model has no region worth recomputing (each module called once, saving activations of its own: e.g. blocks "
+    "of a ModuleList; single layers keep their inputs anyway)"
+)
+"""Why a model has no plan but its plain step: said by ``plan`` below its plain peak, and by ``pareto``."""
+
+
 class InfeasibleBudget(InputError):
     """No plan keeps the peak within the budget. Carries the floor and the best (lowest-peak) plan."""
 
@@ -180,9 +187,7 @@ class Planner:
             if not self.candidates.candidates:
                 raise InfeasibleBudget(
                     f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, and "
-                    "this model has no region worth recomputing (each module called once, saving activations "
-                    "of its own: e.g. blocks of a ModuleList; single layers keep their inputs anyway); group "
-                    "layers into block modules, or raise the budget",
+                    f"{NO_REGION}; group layers into block modules, or raise the budget",
                     budget_bytes=budget_bytes,
                     floor_bytes=self.floor_bytes,
                     best=best,

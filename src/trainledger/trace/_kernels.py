@@ -337,7 +337,7 @@ def probe_calls(
     whole, scaled, out = [], {}, {}
     for call in dict.fromkeys(calls):
         too_large = call.tensor_bytes > limit
-        if not too_large and seconds_to_run(call) <= max_seconds:
+        if not too_large and seconds_to_run(call, MATMUL_OPERANDS) <= max_seconds:
             whole.append(call)
             continue
         scaling = scaling_of(call)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -238,16 +239,17 @@ def scaling_of(call: KernelCall) -> Scaling | None:
     return Scaling(small_call, tuple(variants), tuple(factors), check)
 
 
-def seconds_to_run(call: KernelCall) -> float:
+def seconds_to_run(call: KernelCall, products: Collection[str] = ()) -> float:
     """Predicted seconds to run ``call`` twice, from this process's speed on a reference convolution of its
     dtype; for a matrix product or SDPA's flash kernel from its multiply-adds; 0 for other ops (their kernels work
     in proportion to their bytes). A call that cannot be scaled and is predicted too slow is left out rather than
-    run (a 405B model's projections, probed on this CPU, took seconds each)."""
+    run (a 405B model's projections, probed on this CPU, took seconds each). ``products``: the names of the matrix
+    products (``_kernels.MATMUL_OPERANDS``, which the caller holds: that module imports this one)."""
     conv = conv_of(call)
     if conv is not None:
         return 2 * conv.flops() / _flops_per_second(conv.call.args[1].dtype)
     op = str(call.op)
-    product = _product_flops(op, call.args)
+    product = _product_flops(op, call.args, products)
     if product is not None:
         return 2 * product[0] / _flops_per_second(product[1])
     if not op.startswith(_CONV):
@@ -262,17 +264,18 @@ def seconds_to_run(call: KernelCall) -> float:
     return 2 * flops / _flops_per_second(weight.dtype)
 
 
-def _product_flops(op: str, args: tuple[Any, ...]) -> tuple[float, torch.dtype] | None:
+def _product_flops(op: str, args: tuple[Any, ...], products: Collection[str]) -> tuple[float, torch.dtype] | None:
     """FLOPs and dtype of a matrix product (its two matrix operands: the last two of ``args`` that have shapes)
     or of SDPA's CPU flash kernel (query and key: 4 x B x H x L x S x E forward, about twice that backward)."""
     shaped = [a for a in args if hasattr(a, "shape") and hasattr(a, "dtype")]
     if op.startswith("aten._scaled_dot_product_flash_attention_for_cpu"):
-        q, k = (shaped[1], shaped[2]) if op.endswith("_backward.default") else (shaped[0], shaped[1])
-        if len(q.shape) != 4 or len(k.shape) != 4:
+        backward = op.endswith("_backward.default")
+        # forward (query, key, ...); backward (grad_out, query, key, ...)
+        q, k = shaped[backward : 2 + backward] if len(shaped) >= 2 + backward else (None, None)
+        if q is None or k is None or len(q.shape) != 4 or len(k.shape) != 4:
             return None
-        passes = 2 if op.endswith("_backward.default") else 1
-        return 4.0 * passes * math.prod(q.shape) * k.shape[-2], q.dtype
-    if not op.startswith(_PRODUCTS) or len(shaped) < 2:
+        return 4.0 * (1 + backward) * math.prod(q.shape) * k.shape[-2], q.dtype
+    if op.removesuffix(".default") not in products or len(shaped) < 2:
         return None
     a, b = shaped[-2], shaped[-1]
     if not a.shape or not b.shape:
@@ -280,9 +283,6 @@ def _product_flops(op: str, args: tuple[Any, ...]) -> tuple[float, torch.dtype] 
     # (…, n, k) by (…, k, m) or by a vector (k,): 2 x every element of a x the other side of b
     return 2.0 * math.prod(a.shape) * (b.shape[-1] if len(b.shape) >= 2 else 1), a.dtype
 
-
-_PRODUCTS = ("aten.mm", "aten.addmm", "aten._addmm_activation", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten.mv",
-             "aten.addmv")  # fmt: skip
 
 _RATES: dict[torch.dtype, float] = {}
 
