@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainledger.examples import gpt_tiny, mlp, moe
 from trainledger.shard import shard
@@ -104,6 +105,29 @@ def test_settled_collectives_pause_after_each_wait_and_restore(one_rank_group):
         dist.all_reduce(t, async_op=True).wait()
         assert time.perf_counter() - start >= 0.05
     assert Work.wait is original and t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_settled_collectives_pause_after_ddps_buffer_broadcast(one_rank_group, monkeypatch):
+    """DDP broadcasts its module buffers through ``_broadcast_coalesced``, which waits inside C++: the traced
+    step pauses after it too, and tells the tracer it waits for the workers through the call (gloo's worker
+    may be the last to drop a flat buffer); outside, it is the original again."""
+    from trainledger.shard._observe import settled_collectives
+    from trainledger.trace import StepTracer, trace
+    from trainledger.workload import Workload, run_step
+
+    pauses = []
+    letting_go = StepTracer.letting_go
+    monkeypatch.setattr(StepTracer, "letting_go", lambda self: pauses.append(len(self.ops)) or letting_go(self))
+    original = dist._broadcast_coalesced
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    w = Workload(nn.parallel.DistributedDataParallel(model), torch.randn(2, 3, 8, 8), loss_fn=lambda y, _: y.sum())
+    run_step(w)  # DDP rebuilds its buckets in the first step
+    with settled_collectives(seconds=0.01):
+        led = trace(w)
+    assert dist._broadcast_coalesced is original
+    flatten = next(ev for ev in led.events if ev.op == "aten.cat")  # the buffers, in one flat buffer per dtype
+    assert flatten.phase == "forward" and led.events[flatten.index + 1].op == "c10d.broadcast_"
+    assert pauses == [0]  # one call waited for, the step's first: DDP syncs its buffers before the forward
 
 
 def test_phase_seconds_lists_only_the_phases_measured():

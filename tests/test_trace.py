@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tests.conftest import traced_example
 from trainledger import examples
 from trainledger.errors import InputError
 from trainledger.ledger import LOSS_SCOPE, Category, Evidence
-from trainledger.trace import KERNEL_INTERNAL, trace
+from trainledger.trace import KERNEL_INTERNAL, active_tracer, trace
 from trainledger.workload import Workload
 
 
@@ -192,11 +193,13 @@ def test_saved_activations_are_told_apart_from_temporaries():
 
 
 class _HandsOff(nn.Module):
-    """Gives a temporary to another thread, which drops the last reference to it (as gloo's workers do)."""
+    """Gives a temporary to another thread, which drops the last reference to it (as gloo's workers do),
+    while the traced thread waits for it, pausing (``settling``) or not."""
 
-    def __init__(self) -> None:
+    def __init__(self, settling: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
+        self.settling = settling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         held = [x * 2]  # a 5x4 float temporary, referenced only by the list
@@ -204,17 +207,27 @@ class _HandsOff(nn.Module):
         def let_go() -> None:
             held.clear()
 
-        worker = threading.Thread(target=let_go)
-        worker.start()
-        worker.join()  # the temporary is freed on the worker, before forward goes on
+        tracer = active_tracer()  # none in the warm-up step
+        with tracer.letting_go() if self.settling and tracer is not None else contextlib.nullcontext():
+            worker = threading.Thread(target=let_go)
+            worker.start()
+            worker.join()  # the temporary is freed on the worker, before forward goes on
         return self.fc(x).sum()
 
 
 def test_frees_on_another_thread_are_counted_and_noted():
     led = trace(Workload(_HandsOff(), torch.randn(5, 4), optimizer=lambda ps: torch.optim.SGD(ps)))
-    assert led.meta["frees_on_other_threads"] == 1
+    assert led.meta["frees_on_other_threads"] == 1 and "frees_while_settling" not in led.meta
     assert any("freed by another thread" in n and "aten.mul.Tensor" in n for n in led.notes)
     assert "frees_on_other_threads" not in trace(examples.mlp()).meta
+
+
+def test_frees_on_another_thread_while_the_step_pauses_for_it_land_where_it_paused():
+    led = trace(Workload(_HandsOff(settling=True), torch.randn(5, 4), optimizer=lambda ps: torch.optim.SGD(ps)))
+    assert "frees_on_other_threads" not in led.meta and led.meta["frees_while_settling"] == 1
+    assert not any("freed by another thread" in n for n in led.notes)
+    held = next(e for e in led.entries if e.name.startswith("aten.mul.Tensor#"))
+    assert held.free_event == held.alloc_event + 1  # freed before the next op, the linear's first
 
 
 def test_optimizer_ops_name_the_parameter_they_update():

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger.shard._comm import Collective
+from trainledger.trace import active_tracer
 
 # --- counting collectives ------------------------------------------------------------------------------
 
@@ -107,25 +108,58 @@ SETTLE_SECONDS = 0.002
 """How long a rank pauses after each collective completes while it is traced (see ``settled_collectives``)."""
 
 
-def settled_collectives(seconds: float = SETTLE_SECONDS) -> contextlib.AbstractContextManager[None]:
-    """Pause briefly after each ``Work.wait()`` so the backend's worker threads let go of the collective.
+@contextlib.contextmanager
+def settled_collectives(seconds: float = SETTLE_SECONDS) -> Iterator[None]:
+    """Pause briefly after each collective completes so the backend's worker threads let go of it.
 
     gloo runs each collective on a worker thread that holds the work — and so the tensors it was given
-    (an all-gather's output views, the copy a reduce-scatter makes of its input) — until it finishes its
-    loop, a moment after the caller's ``wait()`` has returned. When the step drops its own references in
-    that moment, the worker frees the buffer later, at whatever event the step has reached by then: the
-    traced timeline varies between runs by a buffer. Giving the worker that moment makes every free
-    happen where the step drops the buffer, as FSDP intends it; the tracer counts the frees that still
-    happen on another thread (``Ledger.meta["frees_on_other_threads"]``).
+    (an all-gather's output views, the copy a reduce-scatter makes of its input, the flat buffer DDP
+    broadcasts its module buffers in) — until it finishes its loop, a moment after the caller's wait has
+    returned. When the step drops its own references in that moment, the worker frees the buffer later,
+    at whatever event the step has reached by then: the traced timeline varies between runs by a buffer.
+    After ``Work.wait()`` the step still holds what it gave the collective: a pause there lets the worker
+    go first, and the step frees the buffer itself. DDP's buffer broadcast
+    (``torch.distributed._broadcast_coalesced``) waits and drops its flat buffers inside C++: it pauses
+    after the call too, and the active tracer is told the step is waiting for the workers during the call
+    and the pause (:meth:`trainledger.trace.StepTracer.letting_go`), so a worker that lets go of a flat
+    buffer frees it within the call, not events later. The tracer counts the frees that still happen on
+    another thread (``Ledger.meta["frees_on_other_threads"]``).
     """
 
-    def settled(wait: Any) -> Any:
+    def paused(call: Any) -> Any:
         try:
-            return wait()
+            return call()
         finally:
             time.sleep(seconds)
 
-    return _around_work_wait(settled)
+    def waited_for(call: Any) -> Any:
+        tracer = active_tracer()
+        with tracer.letting_go() if tracer is not None else contextlib.nullcontext():
+            return paused(call)
+
+    with _around_work_wait(paused), _around_broadcast_coalesced(waited_for):
+        yield
+
+
+@contextlib.contextmanager
+def _around_broadcast_coalesced(around: Any) -> Iterator[None]:
+    """Run every ``torch.distributed._broadcast_coalesced`` as ``around(call)`` while active (DDP looks it
+    up on the module at each call)."""
+    import torch.distributed as dist
+
+    original = getattr(dist, "_broadcast_coalesced", None)
+    if original is None:  # a build without it: nothing to wrap
+        yield
+        return
+
+    def broadcast_coalesced(*args: Any, **kwargs: Any) -> Any:
+        return around(lambda: original(*args, **kwargs))
+
+    dist._broadcast_coalesced = broadcast_coalesced
+    try:
+        yield
+    finally:
+        dist._broadcast_coalesced = original
 
 
 @contextlib.contextmanager

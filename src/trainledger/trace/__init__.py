@@ -609,6 +609,7 @@ def traced_ledger(
             "optimizer": "+".join(type(o).__name__ for o in optimizers),
             "parameter_order": parameter_order,
             **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
+            **({"frees_while_settling": len(tracer.frees_settled)} if tracer.frees_settled else {}),
             **(meta or {}),
         },
     )

@@ -15,10 +15,11 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,9 +131,24 @@ class StepTracer(TorchDispatchMode):
         self.frees_elsewhere: list[str] = []
         """Storages whose last reference was dropped by another thread (a collective library's worker):
         their free event is when that thread let go, which can vary from run to run."""
+        self.frees_settled: list[str] = []
+        """Storages another thread freed while the traced thread paused for it (``letting_go``)."""
+        self._pauses = 0
 
     def _clock(self) -> int:
         return len(self.ops)
+
+    @contextlib.contextmanager
+    def letting_go(self) -> Iterator[None]:
+        """While active, the traced thread is in a call that waits for other threads (a collective library's
+        workers) to finish and let go of what the step has dropped. A free they make meanwhile lands within
+        that call, not at whatever event the step reaches later, so it is counted in ``frees_settled``, not
+        in ``frees_elsewhere``."""
+        self._pauses += 1
+        try:
+            yield
+        finally:
+            self._pauses -= 1
 
     @property
     def num_events(self) -> int:
@@ -205,7 +221,7 @@ class StepTracer(TorchDispatchMode):
         # live through the last event that ran; no longer live from the next one
         rec.free_event = len(self.ops)
         if _get_ident() != self._thread:
-            self.frees_elsewhere.append(rec.name)
+            (self.frees_settled if self._pauses else self.frees_elsewhere).append(rec.name)
         if self.storages.get(key) is rec:
             # the dead reference stays in ``_refs`` until a new storage at this address replaces it or
             # ``stop`` clears them: one dictionary operation less per free
