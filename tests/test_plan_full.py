@@ -66,7 +66,7 @@ def test_a_plan_on_fake_tensors_costs_flops_not_seconds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,strategy", [(1, "zero0"), (4, "zero3")])
+@pytest.mark.parametrize("world,strategy", [(1, "zero0"), (4, "zero3"), (2, "full_shard")])
 @pytest.mark.parametrize("share", [0.9, 0.75])
 def test_fake_plan_predicts_the_fake_retrace_per_rank(planner, world, strategy, share):
     sharding = Sharding(world_size=world, strategy=strategy)

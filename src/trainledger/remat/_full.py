@@ -40,7 +40,7 @@ from trainledger.remat._verify import (
     verification_of,
     with_reserved,
 )
-from trainledger.shard import Strategy, shard
+from trainledger.shard import Strategy, shard, totals_on_step_clock
 from trainledger.units import counted
 from trainledger.workload import Workload
 
@@ -99,14 +99,16 @@ class RankPlanner:
 
     @classmethod
     def of(cls, planner: Planner, sharding: Sharding) -> RankPlanner:
-        """Sharding keeps the step's event clock and shards persistent state, not activations, so what each
-        candidate changes (the linear model's ``delta``) is the same on every rank; only the plain step's
-        live bytes (``base``, every candidate's recomputation laid out) differ. The floor is solved again."""
+        """Sharding shards persistent state, not activations, so what each candidate changes (the linear
+        model's ``delta``) is the same on every rank; only the plain step's live bytes (``base``, every
+        candidate's recomputation laid out) differ. FSDP's hooks add events between the step's ops: each
+        is counted at the op after it (:func:`trainledger.shard.totals_on_step_clock`); the replay of every
+        plan, sharded, settles what that leaves out. The floor is solved again."""
         import numpy as np
 
         cs = planner.candidates
         laid_out = replay(cs, [], phantoms=range(len(cs.candidates)))
-        base = np.asarray(sharding.rank_ledger(laid_out).totals(), dtype=np.int64)
+        base = np.asarray(totals_on_step_clock(sharding.rank_ledger(laid_out)), dtype=np.int64)
         assert base.shape == planner.model.base.shape, (base.shape, planner.model.base.shape)
         model = replace(planner.model, base=base)
         floor, choice = min_peak(model)

@@ -13,6 +13,7 @@ Example:
 
 from trainledger.shard._comm import Collective, CommTime, estimate_time, wire_bytes
 from trainledger.shard._config import ENGINES, STRATEGIES, Engine, ShardConfig, Strategy, parse_strategy
+from trainledger.shard._fsdp import totals_on_step_clock
 from trainledger.shard._partition import greedy_owners, shard_rows
 from trainledger.shard._result import RankLedgers, ShardResult
 from trainledger.shard._summary import RankSummary, ShardReport, ShardSummary
@@ -38,5 +39,6 @@ __all__ = [
     "parse_strategy",
     "shard",
     "shard_rows",
+    "totals_on_step_clock",
     "wire_bytes",
 ]

@@ -27,13 +27,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event
+from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Ledger
 from trainledger.shard._context import Context, added_entry
 from trainledger.shard._partition import resized, shard_rows
 from trainledger.shard._units import unit_of
 from trainledger.units import dtype_bytes
 
 _COMM, _WEIGHTS = Category.COMMUNICATION, Category.WEIGHTS
+HOOK_OP_PREFIX = "fsdp."
+"""``Event.op`` of every event FSDP's hooks add to the clock."""
 
 
 def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tuple[Event, ...], list[Entry]]:
@@ -135,12 +137,37 @@ def _hook_events(h: _Hook, first: int) -> list[Event]:
     """The events of one hook, from index ``first`` (two for a post-backward and a pre-backward)."""
     label = h.unit or ROOT_SCOPE  # as the tracer names the root module
     if h.kind == "post_backward":
-        ops = [("backward", "fsdp.reduce_scatter_copy_in"), ("backward", "fsdp.reduce_scatter")]
+        ops = [("backward", "reduce_scatter_copy_in"), ("backward", "reduce_scatter")]
     elif h.kind == "pre_forward":
-        ops = [("forward", "fsdp.all_gather")]
+        ops = [("forward", "all_gather")]
     else:  # gather and copy out, then prefetch the next units
-        ops = [("backward", "fsdp.all_gather"), ("backward", "fsdp.prefetch")]
-    return [Event(first + k, phase, op, label) for k, (phase, op) in enumerate(ops)]
+        ops = [("backward", "all_gather"), ("backward", "prefetch")]
+    return [Event(first + k, phase, HOOK_OP_PREFIX + op, label) for k, (phase, op) in enumerate(ops)]
+
+
+def totals_on_step_clock(rank: Ledger) -> list[int]:
+    """A rank's live bytes at each event of the unsharded step: the most live at the event or at any FSDP
+    hook in the gap before it (hooks after the last event count at the last). ZeRO stages keep the clock,
+    so their totals are returned as they are.
+
+    Example:
+        >>> mm, gather = Event(0, "forward", "aten.mm"), Event(1, "forward", HOOK_OP_PREFIX + "all_gather")
+        >>> w = Entry("w", Category.WEIGHTS, "param", "float32", 2, 8, alloc_event=0, free_event=3)
+        >>> f = Entry("F", _COMM, "buffer", "float32", 1, 4, alloc_event=1, free_event=2)
+        >>> totals_on_step_clock(Ledger((w, f), events=(mm, gather, replace(mm, index=2))))
+        [8, 12]
+    """
+    out: list[int] = []
+    gap = 0
+    for event, live in zip(rank.events, rank.totals(), strict=True):
+        if event.op.startswith(HOOK_OP_PREFIX):
+            gap = max(gap, live)
+        else:
+            out.append(max(gap, live))
+            gap = 0
+    if gap and out:
+        out[-1] = max(out[-1], gap)
+    return out
 
 
 @dataclass(frozen=True)
