@@ -307,7 +307,9 @@ class _Touch:
         ('{"schema": "trainledger.ledger/1", "peak": {}}', "without entries and without a 'result' key"),
         ('{"schema": "trainledger.ledger/1", "result": "nope"}', "has result 'nope'; accepted:"),
         ('{"schema": "trainledger.ledger/1", "result": "state"}', "is not a valid state file (missing key"),
-        ('{"schema": "trainledger.remat-plan/1"}', "the plan file is missing 'regions'"),
+        ('{"schema": "trainledger.remat-plan/1"}', "the plan file is missing key 'regions'"),
+        ('{"schema": ' + "[" * 100_000 + "]" * 100_000 + "}", "never writes (nested too deeply)"),
+        ('{"schema": ' + "9" * 5000 + "}", "never writes (Exceeds the limit (4300 digits)"),
         ('{"schema": "trainledger.ledger/1", "entries": [{"name": 1}], "events": []}', "is not a valid ledger"),
     ],
 )
@@ -317,6 +319,52 @@ def test_bad_files(cli, tmp_path, content, fragment):
     code, out, err = cli("report", str(path))
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and not out
     assert "Traceback" not in err
+
+
+def _edit(key_path: str, value):
+    """A function setting ``value`` at a dotted key path (``entries.3.nbytes``) of a JSON object."""
+
+    def edit(data: dict) -> None:
+        *keys, last = [int(k) if k.isdigit() else k for k in key_path.split(".")]
+        for k in keys:
+            data = data[k]
+        data[last] = value
+
+    return edit
+
+
+def _first_temporary(data: dict) -> int:
+    return next(i for i, e in enumerate(data["entries"]) if e["alloc_event"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit", "fragment"),
+    [
+        ("ledger", _edit("device", None), "(Ledger.device is None, not str)"),
+        ("ledger", _edit("entries.0.nbytes", -5), "holds -5 bytes"),
+        ("ledger", lambda d: d["entries"][_first_temporary(d)].update(free_event=0), "before it is allocated"),
+        ("ledger", _edit("entries.0.shape", ["big"]), "Ledger.entries[0].shape[0] is a str 'big', not int"),
+        ("trace", _edit("peak.bytes", "big"), "peak bytes must be a whole number"),
+        ("plan", _edit("budget_bytes", "big"), "the plan's budget_bytes 'big' is a str"),
+        ("plan", _edit("budget_bytes", -5), "the plan's budget_bytes -5 must be at least 0"),
+        ("plan", _edit("regions.0.policy", "bogus"), "unknown recomputation policy 'bogus'; accepted: full"),
+        ("plan", _edit("regions", [1, 2]), "a region is an int 1, not an object"),
+    ],
+)
+def test_hand_edited_files_are_refused_naming_the_value(cli, tmp_path, traced, small_gpt, kind, edit, fragment):
+    """A file trainledger wrote, one value edited: refused in one line, never printed as if it were valid."""
+    if kind == "ledger":
+        data = json.loads(write_ledger_json(traced, tmp_path / "step.json").read_text())
+    elif kind == "trace":
+        data = json.loads(_printed(cli, tmp_path, *DETERMINISTIC["trace"], "--json"))
+    else:
+        data = json.loads(_printed(cli, tmp_path, "plan", "--model", small_gpt, "--budget", "80%", "--json"))
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    for json_flag in ((), ("--json",)):
+        code, out, err = cli("report", str(path), *json_flag)
+        assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and not out, err
 
 
 def test_a_pickle_is_refused_and_never_unpickled(cli, tmp_path):
@@ -335,6 +383,10 @@ def test_missing_paths_and_empty_folders(cli, tmp_path):
     assert code == 2 and "no such file or folder" in err
     code, _, err = cli("report", str(tmp_path))
     assert code == 2 and "holds no .json files" in err
+    (tmp_path / "step-1").mkdir()  # a callback's output folder: one folder of ledgers per recorded step
+    (tmp_path / "step-1" / "rank-0.json").write_text("{}")
+    code, _, err = cli("report", str(tmp_path))
+    assert code == 2 and "its folders step-1 do: give one of them" in err and str(tmp_path / "step-1") in err
 
 
 def test_html_output_is_checked_before_reading_and_never_overwrites_an_input(cli, tmp_path, traced):

@@ -18,8 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import functools
 import math
-from collections.abc import Iterable
+import types
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,3 +100,146 @@ def describe(value: Any) -> str:
     name = type(value).__name__
     article = "an" if name[:1].lower() in "aeiou" else "a"
     return f"{article} {name} {text}" if isinstance(value, (str, int, float)) else f"{article} {name}"
+
+
+# --- results read back from JSON --------------------------------------------------------------------------
+
+
+def fields_of_their_types(result: Any, what: str) -> None:
+    """Check that a dataclass read back from JSON holds, in every field, a value of the type the field
+    declares: through nested dataclasses, tuples, lists and dicts; a ``float`` field takes an ``int``.
+
+    A saved file edited by hand (``"device": null``, ``"budget_bytes": "big"``) is refused here, in one
+    line naming the field, instead of failing wherever the value is first used.
+
+    Example:
+        >>> @dataclass(frozen=True)
+        ... class Peak:
+        ...     bytes: int
+        ...     phase: str | None = None
+        >>> fields_of_their_types(Peak(8, "forward"), "peak")
+        >>> fields_of_their_types(Peak("big"), "peak")
+        Traceback (most recent call last):
+        ...
+        trainledger.errors.InputError: peak.bytes is a str 'big', not int
+    """
+    problem = _checker(type(result))(result, what)
+    if problem:
+        raise InputError(problem)
+
+
+_Check = Callable[[Any, str], "str | None"]
+"""Why a value (at the place named) is not of a type, or ``None``; made once per type (:func:`_checker`)."""
+
+
+def _no_problem(_value: Any, _where: str) -> None:
+    return None
+
+
+@functools.cache
+def _checker(hint: Any) -> _Check:
+    """The check of values of ``hint``: its top level, then what is inside a container or a dataclass."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        arms = [(_is_a(arm), _checker(arm)) for arm in typing.get_args(hint)]
+
+        def check_union(value: Any, where: str) -> str | None:
+            for is_arm, check_arm in arms:
+                if is_arm(value):
+                    return check_arm(value, where)
+            return f"{where} is {describe(value)}, not {_type_name(hint)}"
+
+        return check_union
+    is_hint, inside = _is_a(hint), _inside(hint)
+
+    def check(value: Any, where: str) -> str | None:
+        if not is_hint(value):
+            return f"{where} is {describe(value)}, not {_type_name(hint)}"
+        return inside(value, where)
+
+    return check
+
+
+def _is_a(hint: Any) -> Callable[[Any], bool]:
+    """Whether a value is a ``hint`` at its top level (what is inside a container is not looked at)."""
+    origin = typing.get_origin(hint) or hint
+    if hint is Any or isinstance(hint, (typing.TypeVar, str, typing.ForwardRef)):
+        return lambda _v: True
+    if hint is None or hint is type(None):
+        return lambda v: v is None
+    if origin is typing.Literal:
+        accepted = typing.get_args(hint)
+        return lambda v: v in accepted
+    if origin in (typing.Union, types.UnionType):
+        arms = [_is_a(a) for a in typing.get_args(hint)]
+        return lambda v: any(is_arm(v) for is_arm in arms)
+    if hint is float:
+        return lambda v: type(v) is float or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    if hint is int:
+        return lambda v: type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
+    if isinstance(origin, type):
+        return lambda v: isinstance(v, origin)
+    return lambda _v: True  # a typing form not checked here (a Callable, a Protocol)
+
+
+def _inside(hint: Any) -> _Check:
+    """The check of what a value of ``hint`` holds: items, keys and values, a dataclass's fields."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is None and isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _check_fields
+    variadic = origin in (list, collections.abc.Sequence) or (origin is tuple and args[-1:] == (...,))
+    if variadic and args:
+        item = _checker(args[0])
+
+        def check_items(value: Any, where: str) -> str | None:
+            for i, v in enumerate(value):
+                if problem := item(v, f"{where}[{i}]"):
+                    return problem
+            return None
+
+        return check_items
+    if origin is tuple and args:
+        items = [_checker(a) for a in args]
+
+        def check_fixed(value: Any, where: str) -> str | None:
+            if len(value) != len(items):
+                return f"{where} holds {len(value)} items, not {len(items)}"
+            return next(
+                (p for i, (c, v) in enumerate(zip(items, value, strict=True)) if (p := c(v, f"{where}[{i}]"))), None
+            )
+
+        return check_fixed
+    if origin in (dict, collections.abc.Mapping) and len(args) == 2:
+        key, item = _checker(args[0]), _checker(args[1])
+
+        def check_mapping(value: Any, where: str) -> str | None:
+            for k, v in value.items():
+                if problem := key(k, f"{where} key") or item(v, f"{where}[{k!r}]"):
+                    return problem
+            return None
+
+        return check_mapping
+    return _no_problem
+
+
+def _check_fields(value: Any, where: str) -> str | None:
+    for name, check in _field_checks(type(value)):
+        if problem := check(getattr(value, name), f"{where}.{name}"):
+            return problem
+    return None
+
+
+@functools.cache
+def _field_checks(cls: type) -> tuple[tuple[str, _Check], ...]:
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # a name imported only for type checkers: its fields go unchecked
+        return ()
+    return tuple((f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls) if f.name in hints)
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return str(hint).replace("typing.", "")

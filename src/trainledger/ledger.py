@@ -118,9 +118,10 @@ class Entry:
     ...``); ``""`` when it does not. Left out of the JSON when empty."""
 
     def __post_init__(self) -> None:
-        assert self.nbytes >= 0 and self.numel >= 0, (self.name, self.nbytes, self.numel)
-        if self.alloc_event is not None and self.free_event is not None:
-            assert self.free_event >= self.alloc_event, (self.name, self.alloc_event, self.free_event)
+        if self.nbytes < 0 or self.numel < 0:
+            raise ValueError(f"entry {self.name!r} holds {self.nbytes} bytes in {self.numel} elements, below 0")
+        if self.alloc_event is not None and self.free_event is not None and self.free_event < self.alloc_event:
+            raise ValueError(f"entry {self.name!r} is freed at event {self.free_event}, before it is allocated")
 
     @property
     def persistent(self) -> bool:

@@ -114,7 +114,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise InputError(
                 f"config folder {str(path)!r} holds no config.json (give a config.json or a folder holding one)"
             )
-    if not p.is_file():
+    if not p.exists():
         raise InputError(f"config {str(path)!r}: no such file (give a config.json or a folder holding one)")
     try:
         raw = json.loads(p.read_text(encoding="utf-8"))
@@ -132,6 +132,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise InputError(
             f"config {str(p)!r} nests too deeply to be a config.json; give a model's config.json"
         ) from None
+    except ValueError as exc:  # an integer of thousands of digits
+        raise InputError(f"config {str(p)!r} is not a config.json ({str(exc).split(':')[0]}); fix the file") from None
     if not isinstance(raw, dict):
         raise InputError(
             f"config {str(p)!r} holds a JSON {type(raw).__name__}; give an object of config keys (a config.json)"

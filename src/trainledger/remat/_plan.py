@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainledger.checks import describe, one_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.remat._policy_file import on_a_copy_when_recomputed
@@ -180,9 +181,11 @@ class Region:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Region:
+        if not isinstance(d, dict):
+            raise InputError(f"a region is {describe(d)}, not an object with a module path and a policy")
         return cls(
             str(d["path"]),
-            d.get("policy", "full"),
+            one_of(d.get("policy", "full"), "recomputation policy", POLICIES),
             call=None if d.get("call") is None else int(d["call"]),
             num_calls=int(d.get("num_calls", 1)),
             restore=tuple(str(n) for n in d.get("restore", ())),
@@ -369,13 +372,17 @@ class Plan:
             raise InputError(f"not a trainledger plan: schema {data.get('schema')!r}, expected {PLAN_SCHEMA!r}")
         try:
             regions = tuple(Region.from_dict(r) for r in data["regions"])
+            budget, plain, predicted, floor = (
+                None if data.get(key) is None else whole_number(data[key], f"the plan's {key}", minimum=0)
+                for key in ("budget_bytes", "plain_peak_bytes", "predicted_peak_bytes", "floor_bytes")
+            )
             return cls(
                 regions=regions,
                 fingerprint=str(data["fingerprint"]),
                 model=data.get("model", ""),
-                budget_bytes=data.get("budget_bytes"),
-                plain_peak_bytes=data.get("plain_peak_bytes"),
-                predicted_peak_bytes=data.get("predicted_peak_bytes"),
+                budget_bytes=budget,
+                plain_peak_bytes=plain,
+                predicted_peak_bytes=predicted,
                 extra_flops=None if data.get("extra_flops") is None else int(data["extra_flops"]),
                 extra_other_flops=None if data.get("extra_other_flops") is None else int(data["extra_other_flops"]),
                 extra_seconds=None if data.get("extra_seconds") is None else float(data["extra_seconds"]),
@@ -383,13 +390,16 @@ class Plan:
                 optimal=bool(data.get("optimal", False)),
                 gap=data.get("optimality_gap"),
                 lp_bound=data.get("lp_bound"),
-                floor_bytes=data.get("floor_bytes"),
+                floor_bytes=floor,
                 notes=tuple(data.get("plan_notes", ())),
                 kernel_kind=str(data.get("kernel_kind", "cpu")),  # plans saved before kernel kinds: cpu
                 cuda_device=data.get("cuda_device"),
             )
+        except InputError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"the plan file is missing {exc}; save plans with `trainledger plan --save`") from exc
+            what = f"is missing key {exc}" if isinstance(exc, KeyError) else f"is not valid ({exc})"
+            raise InputError(f"the plan file {what}; save plans with `trainledger plan --save`") from None
 
     def save(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
         """Write :meth:`to_dict` as JSON, with ``extra`` keys beside it (``plan --save``: the named baselines,
@@ -399,15 +409,27 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         p = Path(path)
-        if not p.is_file():
+        if p.is_dir():
+            raise InputError(f"plan file {str(path)!r} is a folder; give the JSON file `trainledger plan --save` wrote")
+        if not p.exists():
             raise InputError(f"plan file {str(path)!r} does not exist")
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise InputError(f"plan file {str(path)!r} is not JSON ({exc.msg} at line {exc.lineno})") from exc
+            raise InputError(f"plan file {str(path)!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+        except UnicodeDecodeError:
+            raise InputError(f"plan file {str(path)!r} is not a UTF-8 text file; give a plan JSON file") from None
+        except OSError as exc:
+            raise InputError(f"plan file {str(path)!r} cannot be read ({exc.strerror or type(exc).__name__})") from None
+        except (RecursionError, ValueError) as exc:  # nested too deeply, an integer of thousands of digits
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
+            raise InputError(f"plan file {str(path)!r} is JSON no plan holds ({why})") from None
         if not isinstance(data, dict):
             raise InputError(f"plan file {str(path)!r} holds {type(data).__name__}, not a plan object")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except InputError as exc:
+            raise InputError(f"plan file {str(path)!r}: {exc}") from None
 
 
 def structure_fingerprint(model: nn.Module) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainledger.checks import fields_of_their_types
 from trainledger.errors import InputError
 from trainledger.ledger import SCHEMA as LEDGER_SCHEMA
 from trainledger.ledger import Entry, Ledger, LedgerSummary
@@ -165,6 +166,13 @@ def input_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
     if p.is_dir():
         files = tuple(sorted(f for f in p.glob("*.json") if f.is_file()))
         if not files:
+            inner = sorted(d.name for d in p.iterdir() if d.is_dir() and any(d.glob("*.json")))
+            if inner:  # a callback's output, <output>/trainledger, holds one folder per recorded step
+                shown = ", ".join(inner[:5]) + (", ..." if len(inner) > 5 else "")
+                raise InputError(
+                    f"folder {str(path)!r} holds no .json files, but its folders {shown} do: give one of them "
+                    f"(trainledger report {str(p / inner[0])!r})"
+                )
             raise InputError(f"folder {str(path)!r} holds no .json files; give a saved file or a folder of ledgers")
         return files
     if not p.exists():
@@ -207,6 +215,9 @@ def read_json(path: Path) -> dict[str, Any]:
             f"{str(path)!r} is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); give a JSON file "
             "trainledger wrote"
         ) from None
+    except (RecursionError, ValueError) as exc:  # nested too deeply to parse, an integer of thousands of digits
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
+        raise InputError(f"{str(path)!r} is JSON trainledger never writes ({why}); give a file it wrote") from None
     if not isinstance(data, dict):
         raise InputError(
             f"{str(path)!r} holds a JSON {type(data).__name__}, not an object trainledger wrote; give one it wrote"
@@ -238,7 +249,7 @@ def recognise(data: dict[str, Any], path: Path) -> str:
 
 def _typed(kind: str, data: dict[str, Any], path: Path) -> Any:
     try:
-        return _READERS[kind](data)
+        result = _READERS[kind](data)
     except InputError as exc:
         raise InputError(f"{str(path)!r}: {exc}") from None
     except ImportError as exc:
@@ -249,6 +260,11 @@ def _typed(kind: str, data: dict[str, Any], path: Path) -> Any:
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc) or type(exc).__name__
         raise InputError(f"{str(path)!r} is not a valid {kind} file ({what}); save it again with trainledger") from None
+    try:
+        fields_of_their_types(result, type(result).__name__)
+    except InputError as exc:
+        raise InputError(f"{str(path)!r} is not a valid {kind} file ({exc}); save it again with trainledger") from None
+    return result
 
 
 def _compare(files: tuple[Path, ...]) -> RankComparison:
