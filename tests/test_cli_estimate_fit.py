@@ -133,6 +133,9 @@ def test_fit_on_a_tiny_device_says_nothing_fits(cli):
         (["estimate", "--hf-config", LLAMA7B, "--device-kind", "tpu"], "argument --device-kind: invalid choice: 'tpu'"),
         (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "8", "--lora-targets", "query"], "it has: down_proj"),
         (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "-2"], "argument --lora-rank: -2 must be at least 0"),
+        (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "8", "--lora-targets", ","], "names no linear"),
+        (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "4097"], "give a rank up to 4,096"),  # hidden 4096
+        (["trace", "--hf-config", LLAMA7B, "--fake", "--lora-rank", "4097"], "give a rank up to 4,096"),
         (["estimate", "--hf-config", str(FIXTURES / "gpt2.json"), "--seq-len", "2048"], "1024 learned positions"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "lots"], "--device-memory"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "80GiB", "--micro-batches", "a,b"], "--micro-batches"),
@@ -145,6 +148,26 @@ def test_bad_input_is_one_line_exit_2(cli, argv, fragment):
     assert code == 2
     assert fragment in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}", "Exceeds the limit (4300 digits)"),
+        ('{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests too deeply"),
+        ("", "is not valid JSON"),
+    ],
+)
+def test_a_config_no_model_has_is_one_line_exit_2(cli, tmp_path, text, fragment):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    code, out, err = cli("estimate", "--hf-config", str(path))
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and not out, err
+
+
+def test_a_config_that_is_a_device_is_read_not_called_missing(cli):
+    code, _, err = cli("estimate", "--hf-config", "/dev/null")
+    assert code == 2 and "is not valid JSON" in err and "no such file" not in err
 
 
 @pytest.mark.parametrize(

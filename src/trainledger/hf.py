@@ -40,6 +40,7 @@ from trainledger.analytic import (
     ArchSpec,
     Setup,
     arch_from_config,
+    check_lora,
     check_positions,
     load_config_file,
     lora_targets,
@@ -449,6 +450,8 @@ def _build(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:
 
 def _policy_model(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:
     """The trained model: built, LoRA adapters added, recomputation switched on."""
+    if setup.lora_rank:
+        check_lora(cfg.spec, setup)
     model = _build(cfg, setup, mode, seed)
     if setup.lora_rank:
         with mode if mode is not None else contextlib.nullcontext():

@@ -19,7 +19,7 @@ from trainledger.analytic._arch import FAMILIES, ArchSpec
 from trainledger.analytic._config import arch_from_config, load_config_file, normalized_config
 from trainledger.analytic._estimate import EstimateResult, check_positions, estimate
 from trainledger.analytic._fit import Candidate, FitOptions, FitResult, fit, with_traced_peaks
-from trainledger.analytic._model import analytic_ledger, compact, saved_bytes_per_layer, step_flops
+from trainledger.analytic._model import analytic_ledger, check_lora, compact, saved_bytes_per_layer, step_flops
 from trainledger.analytic._params import ParamTensor, num_params, param_tensors
 from trainledger.analytic._setup import OPTIMIZERS, RECIPES, REMATS, Setup
 
@@ -37,6 +37,7 @@ __all__ = [
     "Setup",
     "analytic_ledger",
     "arch_from_config",
+    "check_lora",
     "check_positions",
     "compact",
     "estimate",

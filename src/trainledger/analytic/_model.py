@@ -532,6 +532,27 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def check_lora(spec: ArchSpec, setup: Setup) -> None:
+    """The LoRA targets name linears of the model, and the rank is no more than one of them can use: a rank-r
+    update of a d_out x d_in weight has rank at most min(d_in, d_out), and a larger r only adds parameters."""
+    from trainledger.errors import InputError
+
+    targets = lora_targets(setup, spec)
+    tensors = param_tensors(spec)
+    linears = sorted({p.lora_target for p in tensors if p.lora_target})
+    if not set(targets) & set(linears):
+        raise InputError(
+            f"LoRA targets {','.join(targets)} match no linear layer of this {spec.family} model; "
+            f"it has: {', '.join(linears)}"
+        )
+    most = max(min(p.lora_dims) for p in tensors if p.lora_target in targets)
+    if setup.lora_rank > most:
+        raise InputError(
+            f"LoRA rank {setup.lora_rank:,} is more than {most:,}, the smaller side of the largest adapted weight: "
+            f"an update of that weight has rank at most {most:,}; give a rank up to {most:,}"
+        )
+
+
 def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
     """The analytic ledger of one training step of ``spec`` run as ``setup`` (one rank, before ZeRO).
 
@@ -559,15 +580,7 @@ def analytic_ledger(spec: ArchSpec, setup: Setup) -> Ledger:
             f"tensor-parallel degree {setup.tensor_parallel} does not divide the {spec.num_kv_heads} key/value heads"
         )
     if setup.lora_rank:
-        targets = lora_targets(setup, spec)
-        linears = sorted({p.lora_target for p in param_tensors(spec) if p.lora_target})
-        if not set(targets) & set(linears):
-            from trainledger.errors import InputError
-
-            raise InputError(
-                f"LoRA targets {','.join(targets)} match no linear layer of this {spec.family} model; "
-                f"it has: {', '.join(linears)}"
-            )
+        check_lora(spec, setup)
     stages = [setup.pipeline_stage] if setup.pipeline_stage is not None else list(range(setup.pipeline_parallel))
     best: Ledger | None = None
     for s in stages:

@@ -120,10 +120,14 @@ def add_setup_flags(p: argparse.ArgumentParser, *, micro_batch: bool = True, dty
 
 
 def check_lora_flags(args: argparse.Namespace) -> None:
-    """``--lora-targets`` only means something with a LoRA rank."""
+    """``--lora-targets`` only means something with a LoRA rank, and names at least one linear."""
     if args.lora_targets is not None and not args.lora_rank:
         raise InputError(
             f"--lora-targets {args.lora_targets!r} needs --lora-rank N (above 0); add it or drop the targets"
+        )
+    if args.lora_targets is not None and not any(t.strip() for t in args.lora_targets.split(",")):
+        raise InputError(
+            f"--lora-targets {args.lora_targets!r} names no linear; give comma-separated names (q_proj,v_proj)"
         )
 
 
@@ -147,7 +151,7 @@ def _gpu_of(args: argparse.Namespace) -> str | None:
 
 def setup_from(args: argparse.Namespace, **overrides: object) -> Setup:
     """The :class:`Setup` the step flags describe (a flag a command does not have takes its default)."""
-    targets = tuple(t for t in (args.lora_targets or "").split(",") if t)
+    targets = tuple(t.strip() for t in (args.lora_targets or "").split(",") if t.strip())
     fields = dict(
         micro_batch=getattr(args, "micro_batch", 1),
         seq_len=args.seq_len,
