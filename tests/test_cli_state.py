@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import run_subprocess
@@ -41,6 +43,9 @@ def test_declared_engineering_example(cli_json):
     assert "activations" in d["notes"][0]
     d = cli_json(*base, "--moments", "fp32", "--master", "fp32")
     assert d["peak"]["bytes"] == 16 * 10**9
+    # no frozen weights, given as the default it is: the same result
+    assert cli_json(*base, "--moments", "fp32", "--frozen-params", "0") == cli_json(*base, "--moments", "fp32")
+    assert cli_json(*base, "--frozen-params", "1e9")["peak"]["bytes"] == 14 * 10**9  # + 1e9 bf16 weights
 
 
 def test_human_table_names_units_and_exclusions(cli):
@@ -141,3 +146,36 @@ def test_a_factory_file_imports_its_sibling_modules_and_sys_path_is_restored(cli
         assert sys.path == before
     finally:
         sys.modules.pop("sibling_layers", None)
+
+
+NOISY = """
+import torch
+from trainledger.workload import Workload
+
+
+class Loud(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        print("forward ran")
+        return self.fc(x).sum()
+
+
+def make():
+    print("building the model")
+    return Workload(Loud(), torch.randn(2, 4))
+"""
+
+
+@pytest.mark.parametrize("command", ["state", "trace"])
+def test_what_the_users_code_prints_never_breaks_the_json(cli, tmp_path, command):
+    f = tmp_path / "noisy.py"
+    f.write_text(NOISY)
+    code, out, err = cli(command, "--model", f"{f}:make", "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak"]["bytes"] > 0  # stdout is the one JSON object
+    assert "building the model" in err and (command == "state" or "forward ran" in err)
+    code, out, _ = cli(command, "--model", f"{f}:make")  # without --json the prints stay where they were
+    assert code == 0 and "building the model" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import re
 import signal
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 from trainledger import __version__
 from trainledger.commands import demo, estimate, fit, pareto, plan, report, shard, state, trace
+from trainledger.commands.common import stdout_for_json_only
 from trainledger.errors import InputError
 from trainledger.signals import Terminated, exit_status, stop_children, terminating_signals_raise
 
@@ -57,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with terminating_signals_raise():  # SIGTERM and SIGHUP unwind like Ctrl-C: every cleanup runs
+        with (
+            terminating_signals_raise(),  # SIGTERM and SIGHUP unwind like Ctrl-C: every cleanup runs
+            stdout_for_json_only() if getattr(args, "json", False) else contextlib.nullcontext(),
+        ):
             return int(args.run(args))
     except InputError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message held

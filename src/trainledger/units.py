@@ -78,19 +78,21 @@ _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 _COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*([kKmMbBtT]?)\s*$")
 
 
-def parse_count(text: str | int) -> int:
-    """Parse a positive whole count: ``423``, ``1e9``, ``7B``, ``1.5M`` (exactly: no float rounding).
+def parse_count(text: str | int, *, zero: bool = False) -> int:
+    """Parse a positive whole count: ``423``, ``1e9``, ``7B``, ``1.5M`` (exactly: no float rounding); with
+    ``zero``, 0 too.
 
     Example:
-        >>> parse_count("1e9"), parse_count("7B"), parse_count("1e40") == 10**40
-        (1000000000, 7000000000, True)
+        >>> parse_count("1e9"), parse_count("7B"), parse_count("1e40") == 10**40, parse_count("0", zero=True)
+        (1000000000, 7000000000, True, 0)
     """
     m = _COUNT_RE.match(str(text))
     if not m:
         raise InputError(f"count {text!r} is not a number; use e.g. 423, 1e9, 7B, 1.5M")
     value = _times(_decimal(m.group(1), "count", text), _COUNT_SUFFIX[m.group(2).lower()])
-    if value <= 0:
-        raise InputError(f"count {text!r} must be positive (above 0), e.g. 423, 1e9, 7B")
+    if value < 0 or (value == 0 and not zero):
+        least = "0 or more" if zero else "positive (above 0)"
+        raise InputError(f"count {text!r} must be {least}, e.g. 423, 1e9, 7B")
     if value != value.to_integral_value():
         raise InputError(f"count {text!r} must be a whole number, e.g. 423, 1e9, 7B")
     return int(value)

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 
@@ -81,9 +81,25 @@ def private_tmpdir(prefix: str = "trainledger-") -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+_JSON_STDOUT: list[TextIO] = []  # while a --json command runs: where its one JSON object goes
+
+
+@contextlib.contextmanager
+def stdout_for_json_only() -> Iterator[None]:
+    """While a ``--json`` command runs, what else is printed to stdout (a factory, model or loss that
+    prints) goes to stderr, so that stdout holds the one JSON object :func:`print_json` writes."""
+    _JSON_STDOUT.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _JSON_STDOUT.pop()
+
+
 def print_json(obj: dict[str, Any]) -> None:
-    json.dump(obj, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    out = _JSON_STDOUT[-1] if _JSON_STDOUT else sys.stdout
+    json.dump(obj, out, indent=2)
+    out.write("\n")
 
 
 def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -112,6 +128,14 @@ def parse_torch_device(text: str) -> str:
 
 count_arg = argparse_type(parse_count)
 """A positive count (``1e9``, ``7B``), parsed exactly."""
+
+
+def parse_count_or_zero(text: str) -> int:
+    return parse_count(text, zero=True)
+
+
+count_or_zero_arg = argparse_type(parse_count_or_zero)
+"""A count that may be 0 (``--frozen-params``, whose default is 0)."""
 size_arg = argparse_type(parse_size)
 """A size (``12GB``, ``11.2GiB``, bytes)."""
 

@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 from rich.text import Text
 
-from trainledger.commands.common import add_json_flag, add_model_flag, count_arg, emit, flags_verb
+from trainledger.commands.common import add_json_flag, add_model_flag, count_arg, count_or_zero_arg, emit, flags_verb
 from trainledger.declared import OPTIMIZER_ARRAYS, StateSpec
 from trainledger.errors import InputError
 from trainledger.report.terminal import (
@@ -52,7 +52,7 @@ def add_spec_flags(group: argparse._ActionsContainer) -> None:
     group.add_argument("--optimizer", default=None, help=f"one of {', '.join(OPTIMIZER_ARRAYS)} (default adamw)")
     group.add_argument("--moments", default=None, help=f"optimizer state precision: {DTYPES_HELP} (default fp32)")
     group.add_argument("--master", default=None, help="precision of a master copy of the weights (default none)")
-    group.add_argument("--frozen-params", type=count_arg, default=None, help="frozen weights (default 0)")
+    group.add_argument("--frozen-params", type=count_or_zero_arg, default=None, help="frozen weights (default 0)")
 
 
 def spec_flags_given(args: argparse.Namespace) -> list[str]:
