@@ -219,6 +219,34 @@ def test_decorator_several_optimizers_and_save_on_cpu() -> None:
     assert {"exp_avg", "exp_avg_sq", "momentum_buffer"} <= {e.role for e in led.select(category=Category.OPTIMIZER)}
 
 
+def test_steps_count_on_across_entries_and_an_evaluation_after_the_last_is_no_step() -> None:
+    """A step is what ends in optimizer.step(): the decorated loop called twice numbers its steps 0..3, an
+    evaluation's forward after the last step is not recorded, and a step that reached backward is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = record(model, opt)
+
+    @rec
+    def train(evaluate: bool) -> None:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if evaluate:
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+
+    train(evaluate=True)
+    train(evaluate=False)
+    assert rec.steps == (0, 1, 2, 3)
+    assert all(rec.ledger(step=k).events[-1].phase == "optimizer" for k in rec.steps)
+    with rec:  # a loop that leaves after backward: the step it began is recorded, as the next index
+        model(torch.randn(3, 4)).sum().backward()
+    assert rec.steps == (0, 1, 2, 3, 4) and rec.ledger(step=4).events[-1].phase == "backward"
+    opt.zero_grad()
+
+
 def test_bad_input_says_how_to_fix_it() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -184,7 +184,7 @@ class Recording(contextlib.ContextDecorator):
         self.name = name or type(model).__name__
         self.kernel_workspace = kernel_workspace
         self._ledgers: dict[int, Ledger] = {}
-        self._next = 0  # the index of the step that opens next
+        self._next = 0  # the index of the step open now, or that opens next: the steps ended so far
         self._stepped: set[int] = set()  # optimizers done (stepped or skipped) in the step open now
         self._returned: set[int] = set()  # optimizers whose step() returned since the scaler last asked
         self._live: _Live | None = None
@@ -212,10 +212,12 @@ class Recording(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type: object, *_exc: object) -> None:
         try:
-            # a step begun (forward at least) and the loop ended normally: record it; if the loop raised,
-            # only let go (the user's exception is the one to see)
-            if exc_type is None and self._live is not None and self._live.tracer.after:
+            # a step that reached backward and the loop ended normally: record it, as a step; one that did not
+            # (nothing, or an evaluation's forward after the last step) is no step, and the next entry's first
+            # step takes its index. If the loop raised, only let go (the user's exception is the one to see)
+            if exc_type is None and self._live is not None and self._live.tracer.after in ("backward", "optimizer"):
                 self._close()
+                self._next += 1
             else:
                 self._discard()
         finally:
@@ -276,13 +278,13 @@ class Recording(contextlib.ContextDecorator):
             return
         self._stepped.clear()
         self._close()
+        self._next += 1
         self._open()
 
     # --- one step's tracer ------------------------------------------------------------------------
 
     def _open(self) -> None:
         index = self._next
-        self._next += 1
         if self.selected is not None and index not in self.selected:
             return
         self._regions.patch()  # modules compiled since the last step
@@ -387,7 +389,7 @@ class Recording(contextlib.ContextDecorator):
         if not self._ledgers:
             raise InputError(
                 "no step was recorded: a step ends when optimizer.step() returns "
-                f"(steps inside record so far: {self._next - 1 if self._entered else self._next}); "
+                f"(steps ended inside record so far: {self._next}); "
                 "run the training loop inside `with record(model, optimizer):`"
             )
         if step is None:
