@@ -75,6 +75,33 @@ def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
     check_written(callback.written.ledger, callback.written.html, micro_batches=2)
 
 
+def test_lightning_callback_leaves_record_when_training_raises(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra: pip install 'trainledger[lightning]'")
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from trainledger.integrations.lightning import TrainledgerCallback
+
+    class Fails(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            if index == 1:
+                raise RuntimeError("the user's bug")
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Fails()
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8))
+    trainer = _quiet_trainer(pl, tmp_path, TrainledgerCallback(step=1), max_steps=3)
+    with pytest.raises(RuntimeError, match="the user's bug"):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert _get_current_dispatch_mode() is None and not module._forward_pre_hooks  # nothing left behind
+
+
 def test_lightning_callback_records_a_step(tmp_path: Path) -> None:
     pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra: pip install 'trainledger[lightning]'")
     from trainledger.integrations.lightning import TrainledgerCallback
@@ -102,6 +129,9 @@ def test_lightning_callback_records_a_step(tmp_path: Path) -> None:
     assert callback.written is not None
     assert callback.written.ledger == tmp_path / "trainledger" / "step-1" / "rank-0.json"
     check_written(callback.written.ledger, callback.written.html, micro_batches=2)
+    # the loss, computed outside the modules inside optimizer.step(closure), is forward as in any loop
+    losses = {ev.phase for ev in open_saved(callback.written.ledger).result.events if ev.op == "aten.mse_loss"}
+    assert losses == {"forward"}
 
 
 def test_lightning_callback_records_a_manually_optimized_gan_and_warns_when_the_step_never_comes(

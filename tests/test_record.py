@@ -281,6 +281,70 @@ def test_an_error_in_the_loop_leaves_nothing_behind() -> None:
     assert rec.steps == ()
 
 
+class _OwnMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_ended_under_another_mode_or_a_second_record_leaves_nothing_behind() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InputError, match="inside another dispatch mode"), record(model, opt), _OwnMode():
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+    assert _get_current_dispatch_mode() is None  # the tracer does not stay on for the rest of the process
+    with pytest.raises(InputError, match="another record"), record(model, opt), record(model, opt):
+        pass
+    assert _get_current_dispatch_mode() is None
+    with record(model, opt) as rec:  # and the next record runs as usual
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+    assert rec.steps == (0,)
+    with pytest.raises(InputError, match="same optimizer twice"):
+        record(model, opt, opt)
+
+
+def test_the_loss_a_closure_computes_is_forward() -> None:
+    """Lightning's automatic loop runs forward and backward inside optimizer.step(closure)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+
+    def closure() -> torch.Tensor:
+        loss = (model(x) - y).pow(2).mean()  # outside every module
+        loss.backward()
+        return loss
+
+    with record(model, opt) as rec:
+        opt.step(closure)
+    led = rec.ledger()
+    ops = [(ev.op, ev.phase) for ev in led.events]
+    assert ("aten.mean", "forward") in ops and ("aten.sub.Tensor", "forward") in ops
+    assert ops[-1][1] == "optimizer" and any(phase == "backward" for _, phase in ops)
+
+
+def test_steps_never_reached_and_files_save_cannot_write_say_so(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt, steps=[10]) as rec:
+        for _ in range(2):
+            model(torch.randn(1, 2)).sum().backward()
+            opt.step()
+    with pytest.raises(InputError, match=r"steps=\[10\] asked for steps the loop never reached \(2 ended"):
+        rec.ledger()
+    with record(model, opt) as rec:
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+    with pytest.raises(InputError, match=r"give a \.json name"):
+        rec.save(tmp_path / "step.html")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match="cannot write"):
+        rec.save(tmp_path / "file" / "step.json")  # a file where a folder must be
+
+
 def compiled_loop(recorded: bool, backend: str = "inductor") -> tuple[dict[str, Any], Any]:
     """Three steps of a compiled model with dropout and AdamW (compiled before record, as a script does)."""
     torch._dynamo.reset()

@@ -275,6 +275,9 @@ def test_rank_comparison_orders_by_meta_rank_and_refuses_duplicates():
 
     with pytest.raises(InputError, match="both say they are rank 0"):
         RankComparison.of([("a.json", led(0, 1)), ("b.json", led(0, 2))])
+    other = Ledger(led(1, 10).entries, meta={"rank": 1, "model": "Sequential"})
+    with pytest.raises(InputError, match=r"of different models \(\?, Sequential\)"):  # not ranks of one step
+        RankComparison.of([("a.json", led(0, 30)), ("b.json", other)])
 
 
 def test_folder_with_a_non_ledger_is_refused(cli, rank_folder, tmp_path):

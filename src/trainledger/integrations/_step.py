@@ -70,10 +70,14 @@ class StepRecorder:
         self.written = Written(path, html)
         return self.written
 
-    def stop(self) -> None:
-        """Leave ``record`` if it is running (at the end of training, whatever happened)."""
+    def stop(self, *, discard: bool = False) -> None:
+        """Leave ``record`` if it is running (at the end of training, whatever happened); with ``discard``,
+        as a loop that raised does: the step open now is not recorded."""
         if self._rec is not None and self._rec.running:
-            self._rec.__exit__(None, None, None)
+            if discard:
+                self._rec.__exit__(RuntimeError, RuntimeError("training raised"), None)
+            else:
+                self._rec.__exit__(None, None, None)
 
     def finish(self) -> None:
         """At the end of training: leave ``record``, and say so when the step was never written."""

@@ -54,3 +54,6 @@ class TrainledgerCallback(Callback):  # type: ignore[misc]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.recorder.finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.recorder.stop(discard=True)  # training raised: leave record (the exception is the one to see)

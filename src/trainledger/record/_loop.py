@@ -97,6 +97,7 @@ class _LoopTracer(StepTracer):
         self.phase = "zero_grad"
         self.after = ""  # the last of forward / backward / optimizer this step has seen
         self.in_optimizer = False
+        self.closure_forward = False  # the model ran inside optimizer.step(closure) (Lightning's automatic loop)
         self.passthrough = False  # a compiled backward runs: its ops are not the step's to see one by one
         self.saved_in_region: list[torch.Tensor] | None = None  # saved by a compiled call, not yet tracked
 
@@ -107,8 +108,9 @@ class _LoopTracer(StepTracer):
             self.phase = self.after = "backward"
         elif self.scopes.stack:  # before the optimizer test: Lightning runs forward inside step(closure)
             self.phase = self.after = "forward"
-        elif self.in_optimizer:
-            self.phase = "optimizer"
+            self.closure_forward = self.in_optimizer
+        elif self.in_optimizer and not (self.closure_forward and self.after == "forward"):
+            self.phase = "optimizer"  # not the loss a closure computes from the model's output
         else:  # between modules: the loss after forward; unscale_ and clipping after backward
             self.phase = _OUTSIDE.get(self.after, "zero_grad")
         return super().__torch_dispatch__(func, types, args, kwargs)
@@ -120,6 +122,7 @@ class _LoopTracer(StepTracer):
 
 
 _OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
+_RUNNING: list[Recording] = []  # the record(...) entered now: one at a time (each step's tracer is a mode)
 
 
 class _SparseLoopTracer(_LoopTracer, SparseStepTracer):
@@ -178,6 +181,11 @@ class Recording(contextlib.ContextDecorator):
                 )
         if not optimizers:
             raise InputError("record() needs the optimizer that ends each step: record(model, optimizer)")
+        if len({id(opt) for opt in optimizers}) < len(optimizers):
+            raise InputError(
+                "record() was given the same optimizer twice; give each optimizer once (a step ends when each has "
+                "stepped)"
+            )
         self.model = model
         self.optimizers = optimizers
         self.selected = _selection(steps)
@@ -193,12 +201,18 @@ class Recording(contextlib.ContextDecorator):
         self._compiled: list[str] = []  # modules that run compiled
         self._regions = CompiledRegions(model, lambda: None if self._live is None else self._live.tracer)
         self._entered = False
+        self._stranded: _Live | None = None  # a step's tracer left under another dispatch mode (see ``_pop``)
 
     # --- entering and leaving --------------------------------------------------------------------
 
     def __enter__(self) -> Recording:
         if self._entered:
             raise InputError("this record(...) is already running; it cannot be entered again inside itself")
+        if _RUNNING:
+            raise InputError(
+                f"another record(...) is running (of {_RUNNING[-1].name}); one record at a time: leave it before "
+                "entering this one, or record both models' step with one record(model, *optimizers)"
+            )
         self._entered = True
         self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         for opt in self.optimizers:
@@ -208,6 +222,7 @@ class Recording(contextlib.ContextDecorator):
         self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
         self._watches.enter_context(self._regions)
         self._open()
+        _RUNNING.append(self)
         return self
 
     def __exit__(self, exc_type: object, *_exc: object) -> None:
@@ -225,7 +240,10 @@ class Recording(contextlib.ContextDecorator):
                 h.remove()
             self._handles = []
             self._watches.close()
+            self._let_go_of_stranded()
             self._entered = False
+            if self in _RUNNING:
+                _RUNNING.remove(self)
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -240,6 +258,7 @@ class Recording(contextlib.ContextDecorator):
         if live is None:
             return
         live.tracer.in_optimizer = True
+        live.tracer.closure_forward = False
         live.tracer.phase = "optimizer"
         self._name_gradients(live)
 
@@ -316,6 +335,7 @@ class Recording(contextlib.ContextDecorator):
         if top is not live.tracer:
             live.tracer.stop()
             live.tracer.scopes.close()
+            self._stranded = live  # under the other mode on the stack: leaving record takes it off, once it can
             raise InputError(
                 f"a step ended inside another dispatch mode ({type(top).__name__}) entered after record(); "
                 "enter that mode outside record(...), or end it before optimizer.step()"
@@ -324,6 +344,14 @@ class Recording(contextlib.ContextDecorator):
         live.hooks.__exit__(None, None, None)
         live.tracer.scopes.close()
         return live
+
+    def _let_go_of_stranded(self) -> None:
+        """Take a tracer that a step ended under another dispatch mode off the stack, once that mode has ended
+        (otherwise every later op of the process would still pass through it)."""
+        live, self._stranded = self._stranded, None
+        if live is not None and _get_current_dispatch_mode() is live.tracer:
+            live.tracer.__exit__(None, None, None)
+            live.hooks.__exit__(None, None, None)
 
     def _discard(self) -> None:
         live = self._pop()
@@ -386,6 +414,11 @@ class Recording(contextlib.ContextDecorator):
                 ``torch.autograd.graph.save_on_cpu`` moved to the host); default: all, or the model's
                 device when the step used several (the host's entries are then named in a note).
         """
+        if not self._ledgers and self.selected is not None and self._next <= min(self.selected):
+            raise InputError(
+                f"no step was recorded: steps={sorted(self.selected)} asked for steps the loop never reached "
+                f"({self._next} ended inside record, numbered from 0); ask for an earlier step"
+            )
         if not self._ledgers:
             raise InputError(
                 "no step was recorded: a step ends when optimizer.step() returns "
@@ -409,9 +442,17 @@ class Recording(contextlib.ContextDecorator):
         out = Path(path)
         if out.is_dir():
             raise InputError(f"{str(out)!r} is a folder; give a file name such as {str(out / 'step.json')!r}")
+        if out.suffix.lower() != ".json":
+            raise InputError(
+                f"{str(out)!r}: save writes the ledger as JSON; give a .json name (the page: trainledger report "
+                "step.json --html step.html)"
+            )
         data = self.ledger(step).to_dict()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data))
+        except OSError as exc:
+            raise InputError(f"cannot write {str(out)!r}: {exc.strerror or type(exc).__name__}") from None
         return out
 
 

@@ -88,6 +88,12 @@ class RankComparison:
         """Compare ledgers; a ledger's rank is ``meta["rank"]`` when it has one, else its place in ``ledgers``."""
         if not ledgers:
             raise InputError("no ledgers to compare")
+        models = {str(led.meta.get("model", "")) for _, led in ledgers}
+        if len(models) > 1:  # ranks run one model: these are steps of different ones
+            raise InputError(
+                f"the ledgers are of different models ({', '.join(sorted(m or '?' for m in models))}); a folder is "
+                "read as the ranks of one step: give files one at a time"
+            )
         ranks: dict[int, tuple[str, Ledger]] = {}
         for i, (path, led) in enumerate(ledgers):
             rank = led.meta.get("rank", i)
