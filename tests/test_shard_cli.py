@@ -141,3 +141,39 @@ def test_a_cpu_prediction_traces_the_step_on_each_rank_s_threads():
         e.nbytes for e in alone.select(role="kernel_internal")
     ]
     assert any(f"on {rank_threads(2)} intra-op threads" in note for note in ref.ledger.notes)
+
+
+PARAMETER_LIST = """
+import torch
+from torch import nn
+from trainledger.workload import Workload
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(16, 16)) for _ in range(3)])
+
+    def forward(self, x):
+        for w in self.weights:
+            x = torch.tanh(x @ w)
+        return x.square().mean()
+
+
+def make():
+    torch.manual_seed(0)
+    return Workload(Chain(), torch.randn(8, 16))
+"""
+
+
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_a_parameter_list_is_parameters_not_units(cli_json, tmp_path, stage):
+    """``weights.0`` of an ``nn.ParameterList`` is a parameter: the root holds them (it was taken for a unit and
+    looked up as a module: a traceback)."""
+    f = tmp_path / "chain.py"
+    f.write_text(PARAMETER_LIST)
+    d = cli_json("shard", "--model", f"{f}:make", "--world", "2", "--stage", stage)
+    weights = 3 * 16 * 16 * 4
+    # ZeRO-3: each rank keeps half of every row, and at the peak the root's parameters gathered whole
+    expected = weights if stage == "0" else weights // 2 + weights
+    assert d["peak"]["by_category"]["weights"] == expected
