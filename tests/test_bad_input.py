@@ -554,3 +554,17 @@ def test_an_output_path_that_is_a_hard_link_to_an_input_is_refused(cli, tmp_path
         "plan", "--model", f"{model}:make", "--cost", "flops", "--budget", "80%", "--export-policy", str(link)
     )
     assert code == 2 and "one of the inputs" in err and model.read_bytes() == before
+
+
+def test_the_policy_file_never_overwrites_a_module_the_model_imported(cli, tmp_path):
+    """The model file is an input; so is the module of layers it imports, known once the model is built."""
+    (tmp_path / "my_blocks.py").write_text("from trainledger.examples import gpt_tiny\n\nSOURCE = 'mine'\n")
+    model = tmp_path / "model.py"
+    model.write_text("from my_blocks import gpt_tiny\n\ndef make():\n    return gpt_tiny()\n")
+    before = (tmp_path / "my_blocks.py").read_bytes()
+    target = tmp_path / "my_blocks.py"
+    code, out, err = cli(
+        "plan", "--model", f"{model}:make", "--cost", "flops", "--budget", "80%", "--export-policy", str(target)
+    )
+    assert code == 2 and out == "" and "module 'my_blocks', which the model imported" in err, err
+    assert target.read_bytes() == before

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
@@ -176,6 +178,18 @@ def compute(args: argparse.Namespace) -> PlanResult:
         budget_on=budget_on(args),
         allocator=args.allocator,
     )
+
+
+def _refuse_a_loaded_module(path: str) -> None:
+    """Refuse to write over the source of a module this process imported (a model file's own layers)."""
+    target = Path(path).resolve()
+    for name, module in list(sys.modules.items()):
+        source = getattr(module, "__file__", None)
+        if isinstance(source, str) and Path(source).resolve() == target:
+            raise InputError(
+                f"policy file path {path!r} is the source of module {name!r}, which the model imported; "
+                "refusing to overwrite it: pick another path"
+            )
 
 
 def check_policy_path(args: argparse.Namespace) -> None:
@@ -353,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         result.plan.save(args.save, extra={"baselines": [b.to_dict() for b in result.baselines]})
     if args.export_policy:
+        _refuse_a_loaded_module(args.export_policy)  # known now that the model is built: its own layers
         result.plan.export_policy(args.export_policy, command=command_line(args))
     if args.json:
         print_json(result.to_dict())
