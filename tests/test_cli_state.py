@@ -66,6 +66,7 @@ def test_demo_runs(cli):
     [
         (["state", "--model", "nope"], "unknown model 'nope'"),
         (["state", "--model", "missing.py:make"], "does not exist"),
+        (["state", "--model", "tests:make"], "is a folder; give the Python file in it"),
         (["state", "--params", "1e9", "--weights", "fp12"], "unknown dtype 'fp12'"),
         (["state", "--params", "1e9", "--optimizer", "sgdx"], "unknown optimizer 'sgdx'"),
         (["state", "--params", "-5"], "--params"),

@@ -69,6 +69,8 @@ def load_workload(spec: str) -> Workload:
         raise InputError(f"unknown model {spec!r}; use a built-in example ({known}) or path/to/file.py:factory")
     path_text, _, factory_name = spec.rpartition(":")
     path = Path(path_text)
+    if path.is_dir():
+        raise InputError(f"model file {path_text!r} is a folder; give the Python file in it: path/to/file.py:factory")
     if not path.is_file():
         raise InputError(f"model file {path_text!r} does not exist; give path/to/file.py:factory")
     if not factory_name.isidentifier():
