@@ -4,6 +4,7 @@ FlopCounterMode and hand-counted matmul FLOPs, the re-traced step with the plan 
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -158,9 +159,21 @@ def test_a_budget_is_parsed_once_into_a_typed_value():
         Budget.parse(0.5)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("text", ["lots", "-5%", "0%", "%", "5 parsecs", "-1GiB"])
-def test_bad_budgets(text):
-    with pytest.raises(InputError, match="budget"):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("lots", "not understood"),
+        ("-5%", "must be a positive percentage"),
+        ("0%", "must be a positive percentage"),
+        ("1e9%", "more than 10,000% of the plain peak"),
+        ("%", "not understood"),
+        ("5 parsecs", "not understood"),
+        ("-1GiB", "budget"),
+        ("70", "would be 70 bytes; give 70% for a share of the plain peak, or a size with its unit"),
+    ],
+)
+def test_bad_budgets(text, message):
+    with pytest.raises(InputError, match=re.escape(message)):
         Budget.parse(text)
 
 

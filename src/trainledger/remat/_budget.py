@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from trainledger.errors import InputError
 from trainledger.units import SizeSyntaxError, parse_size
 
-_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+_PERCENT = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*%\s*$")
+_BARE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*$")
+MAX_PERCENT = 10_000.0
+"""The largest percentage accepted: from 100% on nothing is recomputed, and far above it is a typo."""
+_NOT_UNDERSTOOD = "use a percentage of the plain peak (60%) or a size (2GiB, 512MiB, bytes)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,16 +52,24 @@ class Budget:
                 share = float(m.group(1))
                 if share <= 0:
                     raise InputError(f"budget {value!r} must be a positive percentage of the plain peak")
+                if share > MAX_PERCENT:
+                    raise InputError(
+                        f"budget {value!r} is more than {MAX_PERCENT:,.0f}% of the plain peak; any budget from 100% "
+                        "on recomputes nothing"
+                    )
                 return cls(percent=share)
             if value.strip().endswith("%"):
-                raise InputError(f"budget {value!r} is not understood; use a percentage (60%) or a size (2GiB, bytes)")
+                raise InputError(f"budget {value!r} is not understood; {_NOT_UNDERSTOOD}")
+            bare = _BARE.match(value)
+            if bare and float(bare.group(1)) <= 100:  # no step fits in 100 bytes: a percentage without its sign
+                raise InputError(
+                    f"budget {value!r} would be {value.strip()} bytes; give {value.strip()}% for a share of the plain "
+                    f"peak, or a size with its unit ({value.strip()}MiB)"
+                )
         try:
             return cls(nbytes=parse_size(value))
         except SizeSyntaxError:
-            raise InputError(
-                f"budget {value!r} is not understood; use a percentage of the plain peak (60%) or a size "
-                "(2GiB, 512MiB, bytes)"
-            ) from None
+            raise InputError(f"budget {value!r} is not understood; {_NOT_UNDERSTOOD}") from None
         except InputError as exc:  # a size out of range keeps its own message (it says the range)
             raise InputError(f"budget: {exc}") from None
 
