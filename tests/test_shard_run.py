@@ -28,6 +28,12 @@ def hangs_on_rank_1():
     if dist.get_rank() == 1:
         time.sleep(3600)
     return mlp()
+
+
+def with_an_unused_parameter():
+    w = mlp()
+    w.model.spare = torch.nn.Linear(4, 4)  # never called in forward: it gets no gradient
+    return w
 """
 
 
@@ -74,6 +80,17 @@ def test_a_rank_that_raises_stops_every_rank(tmp_path):
     with pytest.raises(RankError, match=r"rank 1 raised .*RuntimeError: rank one has no data"):
         run(RunConfig(model=f"{f}:raises_on_rank_1", world_size=2, strategy="zero0", timeout_seconds=60))
     assert _children() <= before
+
+
+@pytest.mark.parametrize("strategy", ["zero0", "zero1"])
+def test_ddp_on_a_parameter_without_gradient_says_what_to_change(tmp_path, strategy):
+    """DDP's own error asks for a keyword argument no one can pass here (cut off mid-word); FSDP runs it."""
+    f = tmp_path / "factories.py"
+    f.write_text(FACTORIES)
+    with pytest.raises(RankError, match=r"gets none \(unused in forward\).*freeze that parameter.*stage 2 or 3"):
+        run(RunConfig(model=f"{f}:with_an_unused_parameter", world_size=2, strategy=strategy, timeout_seconds=120))
+    res = run(RunConfig(model=f"{f}:with_an_unused_parameter", world_size=2, strategy="zero3", timeout_seconds=120))
+    assert all(r["predicted_peak_bytes"] == r["traced_peak_bytes"] for r in res.to_dict()["ranks"])
 
 
 def test_a_rank_that_hangs_is_stopped_within_the_timeout(tmp_path):

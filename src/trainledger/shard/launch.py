@@ -29,6 +29,7 @@ and the gathered storages' resizes with it (see :func:`trainledger.trace.fsdp_st
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import json
@@ -40,6 +41,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -589,7 +591,8 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     _wrap(workload, cfg["strategy"])
     stage("the warm-up steps")
     for _ in range(WARMUP_STEPS):
-        run_step(workload)
+        with _unused_parameters_explained(cfg["strategy"]):
+            run_step(workload)
     stage("the timed step")
     counter = CollectiveCounter(dist.get_world_size())
     dist.barrier()
@@ -609,6 +612,21 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
         "collectives": [_collective_dict(c) for c in counter.collectives()],
         "ledger": ledger.to_dict() if ledger is not None else None,
     }
+
+
+@contextlib.contextmanager
+def _unused_parameters_explained(strategy: str) -> Iterator[None]:
+    """DDP's error for a parameter that got no gradient, said in terms of what the user can change here."""
+    try:
+        yield
+    except Exception as exc:
+        if "find_unused_parameters" not in str(exc):
+            raise
+        raise InputError(
+            f"DDP ({strategy}) needs every trainable parameter to get a gradient in each step, and this model has "
+            "one that gets none (unused in forward); DDP runs as PyTorch builds it by default: freeze that parameter "
+            "(requires_grad_(False)), or run ZeRO stage 2 or 3 (FSDP)"
+        ) from None
 
 
 TRACE_ATTEMPTS = 3
