@@ -26,6 +26,9 @@ CASES = [
     ("lm_lora", 1),  # ZeroRedundancyOptimizer: the rank's own parameters, in its own order
     ("conv_net", 0),  # DDP: buffers broadcast, buckets rebuilt (the first one small)
     ("conv_unet", 3),  # convolutions' buffers follow the thread count: a rank's, not one whole process's
+    ("routed_experts", 3),  # the root's final reduce-scatter: the loss and its seed are still held
+    ("routed_experts", 1),  # the loss gone as the optimizer begins, whatever the rank's parameter order
+    ("parameter_chain", 3),  # a ParameterList: parameters of the root, not units
 ]
 
 

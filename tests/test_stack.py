@@ -141,6 +141,10 @@ def test_an_extended_cuda_kind_ledger_keeps_every_field_of_every_entry():
             assert getattr(a, f.name) == getattr(b, f.name), (a.name, f.name)
     num_labelled = sum(1 for e in ours if e.kernel)  # the blocks repeated carry their labels too
     assert num_labelled == sum(1 for e in full.entries if e.kernel) > sum(1 for e in base.entries if e.kernel) > 0
+    # what the caller of backward holds through it (the loss, the seed) is named on the deeper clock too
+    assert (
+        extended.meta["freed_after_backward"] == full.meta["freed_after_backward"] != base.meta["freed_after_backward"]
+    )
 
 
 @pytest.mark.slow

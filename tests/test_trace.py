@@ -230,6 +230,22 @@ def test_frees_on_another_thread_while_the_step_pauses_for_it_land_where_it_paus
     assert held.free_event == held.alloc_event + 1  # freed before the next op, the linear's first
 
 
+def test_what_the_caller_of_backward_holds_through_it_is_named():
+    """The loss and the gradient seed outlive backward's final callbacks (the saved activations do not): the
+    tracer names them, as the sharded prediction needs to place FSDP's final reduce-scatter before them."""
+    led = trace(examples.mlp())
+    marked = {(name, event) for name, event in led.meta["freed_after_backward"]}
+    held = {e.name: e for e in led.entries if (e.name, e.free_event) in marked}
+    first_backward = next(ev.index for ev in led.events if ev.phase == "backward")
+    first_optimizer = next(ev.index for ev in led.events if ev.phase == "optimizer")
+    loss = [e for e in held.values() if e.alloc_event < first_backward]
+    seed = [e for e in held.values() if e.alloc_event == first_backward]
+    assert len(held) == 2 and len(loss) == 1 and len(seed) == 1
+    assert all(e.nbytes == 4 and e.shape == () and e.free_event == first_optimizer for e in held.values())
+    saved = led.select(category=Category.ACTIVATIONS)  # freed as their nodes ran, at the same events or before
+    assert saved and not any((e.name, e.free_event) in marked for e in saved)
+
+
 def test_optimizer_ops_name_the_parameter_they_update():
     """A single-tensor Adam updates one parameter after another: each op names its parameter, and each
     temporary (``sqrt``, the division) names the parameter it was made for."""

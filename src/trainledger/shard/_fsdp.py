@@ -47,7 +47,9 @@ def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tup
     sizes = _unit_sizes(ctx, srank)
     forward, backward = ctx.units_in_order("forward"), ctx.units_in_order("backward")
     clock = _clock(ctx, _hooks(ctx, forward, backward, sizes))
-    out = [clock.remap(e) for e in base]
+    # what the caller of backward holds through the final callback's reduce-scatters (the loss, the seed)
+    held = {(name, event) for name, event in ctx.ledger.meta.get("freed_after_backward", ())}
+    out = [clock.remap(e, after_hooks=(e.name, e.free_event) in held) for e in base]
     out += _forward_buffers(ctx, clock, sizes, forward)
     if ctx.plan.regather_backward:
         out += _backward_buffers(ctx, clock, sizes, backward)
@@ -190,13 +192,16 @@ class _Clock:
     def total(self) -> int:
         return len(self.events)
 
-    def remap(self, e: Entry) -> Entry:
-        """An entry of the old clock on this one: allocated at its event, freed in the gap before its free."""
+    def remap(self, e: Entry, *, after_hooks: bool = False) -> Entry:
+        """An entry of the old clock on this one: allocated at its event, freed in the gap before its free
+        (``after_hooks``: after the gap's hooks, as what the caller of backward holds through its final
+        callback)."""
         last = len(self.new_of) - 2  # the last old event
+        freed = self.new_of if after_hooks else self.gap_start
         return replace(
             e,
             alloc_event=None if e.alloc_event is None else self.new_of[e.alloc_event],
-            free_event=None if e.free_event is None else self.gap_start[e.free_event],
+            free_event=None if e.free_event is None else freed[e.free_event],
             last_use_event=None if e.last_use_event is None else self.new_of[min(e.last_use_event, last)],
         )
 

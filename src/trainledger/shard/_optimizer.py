@@ -113,7 +113,9 @@ def resequence_optimizer(
     def freed(e: Entry, born_in: str | None) -> int:
         i = e.free_event
         assert i is not None
-        if born_in is None or e.alloc_event is None or i < first:
+        if i <= first:  # gone as the optimizer begins (the loss after backward): so on every rank's clock
+            return i
+        if born_in is None or e.alloc_event is None:
             return moved(i)
         s, end_own = segments[born_in]
         born = e.alloc_event - s

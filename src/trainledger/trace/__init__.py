@@ -610,9 +610,16 @@ def traced_ledger(
             "parameter_order": parameter_order,
             **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
             **({"frees_while_settling": len(tracer.frees_settled)} if tracer.frees_settled else {}),
+            **({"freed_after_backward": after_backward} if (after_backward := _held_through_backward(tracer)) else {}),
             **(meta or {}),
         },
     )
+
+
+def _held_through_backward(tracer: StepTracer) -> list[list[object]]:
+    """``[name, free event]`` of the entries the caller of ``backward()`` held through its final callbacks
+    (the loss, the seed); the event tells them from others of the same name (an op's other outputs)."""
+    return sorted(map(list, {(r.name, r.free_event) for r in tracer.freed_after_backward if r.merged_into is None}))
 
 
 def _elsewhere_note(names: list[str]) -> tuple[str, ...]:

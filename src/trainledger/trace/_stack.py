@@ -477,12 +477,25 @@ def extend(
     layout = _Layout(base, stack, base_depth, depth)
     events = tuple(layout.events)
     params = layout.expand_runs(base.meta.get("parameter_order", []), stack.block_of)
+    held = {(name, event) for name, event in base.meta.get("freed_after_backward", ())}
     meta = {
         **base.meta,
         "events_per_phase": dict(Counter(ev.phase for ev in events)),
         **(
             {"parameter_order": [layout.rename(p, home) for p, home in params]}
             if "parameter_order" in base.meta
+            else {}
+        ),
+        **(
+            {
+                "freed_after_backward": sorted(
+                    [moved.name, moved.free_event]
+                    for e in base.entries
+                    if (e.name, e.free_event) in held
+                    for moved in (_entry(e, layout, home) for home in layout.homes(_entry_block(e, layout)))
+                )
+            }
+            if held
             else {}
         ),
     }

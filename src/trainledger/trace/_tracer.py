@@ -134,6 +134,13 @@ class StepTracer(TorchDispatchMode):
         self.frees_settled: list[str] = []
         """Storages another thread freed while the traced thread paused for it (``letting_go``)."""
         self._pauses = 0
+        self.freed_after_backward: list[_Storage] = []
+        """Storages freed after a backward's final callbacks ran and before the next op: what the caller of
+        ``backward()`` held through it (the loss, the gradient seed), not what autograd's nodes let go of.
+        Both are freed at the same event; an engine whose hooks run in the final callback (FSDP's root
+        reduce-scatter) runs between them (see ``_backward_ended``)."""
+        self._end_queued = False
+        self._backward_ended_at = -1  # ``len(self.ops)`` when the last backward's final callbacks ran
 
     def _clock(self) -> int:
         return len(self.ops)
@@ -220,6 +227,8 @@ class StepTracer(TorchDispatchMode):
         ref.rec = None
         # live through the last event that ran; no longer live from the next one
         rec.free_event = len(self.ops)
+        if rec.free_event == self._backward_ended_at:  # after backward's final callbacks, before any op
+            self.freed_after_backward.append(rec)
         if _get_ident() != self._thread:
             (self.frees_settled if self._pauses else self.frees_elsewhere).append(rec.name)
         if self.storages.get(key) is rec:
@@ -466,7 +475,21 @@ class StepTracer(TorchDispatchMode):
             rec = self.storages.get(_storage_address(t))
             if rec is not None:
                 rec.last_use_event = len(self.ops) - 1 if self.ops else 0
+        if not self._end_queued:
+            self._queue_backward_end()
         return t
+
+    def _queue_backward_end(self) -> None:
+        """In a backward (a saved tensor is unpacked): have the engine tell when its final callbacks run."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        except RuntimeError:  # unpacked outside a backward (a saved tensor read by hand): nothing to wait for
+            return
+        self._end_queued = True
+
+    def _backward_ended(self) -> None:
+        self._end_queued = False
+        self._backward_ended_at = len(self.ops)
 
     # --- finishing ---------------------------------------------------------------------------------
 
