@@ -140,6 +140,8 @@ def test_fit_on_a_tiny_device_says_nothing_fits(cli):
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "lots"], "--device-memory"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "80GiB", "--micro-batches", "a,b"], "--micro-batches"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "80GiB", "--recipes", "fp4"], "unknown precision recipe"),
+        (["fit", "--model", "mlp", "--device-memory", "1GiB"], "not from a model; for your own model use trace"),
+        (["estimate", "--model=gpt-tiny"], "estimate works from a Hugging Face config (--hf-config PATH)"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "1GiB", "--reserve", "2GiB"], "leaves nothing"),
     ],
 )

@@ -49,9 +49,18 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(sub.choices)
 
 
+_CONFIG_ONLY = ("estimate", "fit")  # commands that read a Hugging Face config, never a model
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in _CONFIG_ONLY and any(a == "--model" or a.startswith("--model=") for a in given):
+        _subparsers(parser)[given[0]].error(  # argparse would only say that --hf-config is missing
+            f"{given[0]} works from a Hugging Face config (--hf-config PATH), not from a model; for your own "
+            "model use trace, plan or shard with --model"
+        )
+    args, extra = parser.parse_known_args(given)
     if extra:  # said by the subcommand's parser, so the message names the command
         command = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
         command.error(f"unrecognized arguments: {' '.join(extra)}")
