@@ -210,8 +210,8 @@ class Recording(contextlib.ContextDecorator):
             raise InputError("this record(...) is already running; it cannot be entered again inside itself")
         if _RUNNING:
             raise InputError(
-                f"another record(...) is running (of {_RUNNING[-1].name}); one record at a time: leave it before "
-                "entering this one, or record both models' step with one record(model, *optimizers)"
+                f"another record(...) is running (of {_RUNNING[-1].name}); one record runs at a time (each step's "
+                "tracer is a dispatch mode): leave it before entering this one"
             )
         self._entered = True
         self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
