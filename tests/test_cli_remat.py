@@ -182,3 +182,39 @@ def test_trace_under_a_saved_plan_is_the_step_its_verification_traced(cli, cli_j
     before = saved.read_bytes()
     code, _, err = cli("trace", "--model", "gpt-tiny", "--plan", str(saved), "--export-json", str(saved))
     assert code == 2 and "refusing to overwrite" in err and saved.read_bytes() == before
+
+
+SHARED_BLOCK = """
+import torch
+from torch import nn
+from trainledger.workload import Workload
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(20, 64)
+        self.block = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.block(h)
+        h = h + self.block(h)
+        return self.out(h).square().mean()
+
+
+def make():
+    torch.manual_seed(0)
+    return Workload(Twice(), torch.randn(32, 20))
+"""
+
+
+def test_pareto_where_no_plan_lowers_the_peak_is_one_row(cli_json, tmp_path):
+    """A block called twice, whose recomputation only adds: the floor is the plain peak, and the curve is that
+    one point (it was eight identical rows)."""
+    f = tmp_path / "twice.py"
+    f.write_text(SHARED_BLOCK)
+    d = cli_json("pareto", "--model", f"{f}:make", "--cost", "flops")
+    assert d["floor_bytes"] == d["plain_peak_bytes"]
+    assert [r["budget_bytes"] for r in d["rows"]] == [d["plain_peak_bytes"]]

@@ -342,7 +342,8 @@ class _ReservedSweep:
         return cls(config, capacity_bytes, sharding, rp, plain.max_reserved_bytes, floor_reserved.max_reserved_bytes)
 
     def budgets(self, num_budgets: int) -> list[int]:
-        return [int(x) for x in np.linspace(self.plain_bytes, self.floor_bytes, num_budgets).round()]
+        # once each: where the floor is (nearly) the plain peak, the budgets coincide
+        return list(dict.fromkeys(int(x) for x in np.linspace(self.plain_bytes, self.floor_bytes, num_budgets).round()))
 
     def row(self, planner: Planner, workload: Workload, budget: int, verify: bool, time_limit_s: float) -> ParetoRow:
         """Our plan for ``budget`` on reserved memory, or the one closest to it where no round meets it."""
@@ -434,8 +435,10 @@ def _sweep(
 
 
 def _budgets(planner: Planner, num_budgets: int) -> list[int]:
+    """``num_budgets`` from the plain peak down to the floor, each once (where the floor is the plain peak,
+    no plan lowers it: one row says so, not eight of the same)."""
     budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
-    return [int(x) for x in budgets]
+    return list(dict.fromkeys(int(x) for x in budgets))
 
 
 def _allocated_row(
