@@ -281,3 +281,29 @@ def test_a_plan_recomputing_self_attention_runs_under_the_tracer_and_is_verified
     v = verify(w, plan, timing=False)
     assert v.gradients_bitwise_equal and v.num_gradients == 3 * 12
     assert v.traced_peak_bytes == replay(p.candidates, [p.candidates.index(attention)]).peak().bytes
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+def test_recomputing_an_lstm_costs_its_matmuls():
+    """oneDNN's recurrent layer has no FlopCounterMode formula: recomputing an LSTM cost 0 FLOPs. Per time step
+    and sequence it multiplies the input and the hidden state by every gate: 2·T·B·(4H·I + 4H·H)."""
+    from trainledger.remat import Planner
+    from trainledger.workload import Workload
+
+    steps, batch, width, hidden = 20, 8, 32, 48
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, width), _Recurrent(width, hidden), nn.Linear(hidden, width), _Recurrent(width, hidden)
+    )
+    w = Workload(model, torch.randn(steps, batch, 16), loss_fn=lambda out, _batch: out.square().mean())
+    costs = {(c.region.path, c.region.policy): c.flops for c in Planner.build(w, cost="flops").candidates.candidates}
+    lstm = 2 * steps * batch * (4 * hidden * width + 4 * hidden * hidden)
+    assert costs[("3", "full")] == lstm

@@ -211,9 +211,13 @@ def _record_cuda(workload: Workload, name: Any) -> ForwardRecord:
 
 
 def _flop_registry() -> dict[Any, Any]:
-    """``torch.utils.flop_counter``'s formulas, with the CPU's flash attention counted as CUDA's: PyTorch 2.13
-    has no formula for ``_scaled_dot_product_flash_attention_for_cpu``, so recomputing a CPU step's attention
-    would cost nothing (its two matmuls, ``4·B·H·T·S·d``, are the same on either kernel)."""
+    """``torch.utils.flop_counter``'s formulas, with what PyTorch 2.13 has none for and a CPU step runs:
+
+    - the CPU's flash attention, counted as CUDA's: recomputing a CPU step's attention would cost nothing
+      (its two matmuls, ``4·B·H·T·S·d``, are the same on either kernel);
+    - oneDNN's recurrent layer (``nn.LSTM``, ``nn.GRU`` on the CPU): per time step and sequence, the input's
+      and the hidden state's matmuls with every gate, ``2·T·B·(G·I + G·H)``; recomputing an LSTM cost 0.
+    """
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
@@ -221,7 +225,17 @@ def _flop_registry() -> dict[Any, Any]:
     cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu
     if cpu_flash not in registry and aten._scaled_dot_product_flash_attention in registry:
         registry[cpu_flash] = registry[aten._scaled_dot_product_flash_attention]
+    rnn_layer = getattr(aten, "mkldnn_rnn_layer", None)
+    if rnn_layer is not None and rnn_layer not in registry:
+        registry[rnn_layer] = _rnn_layer_flops
     return registry
+
+
+def _rnn_layer_flops(x: torch.Tensor, w_input: torch.Tensor, w_hidden: torch.Tensor, *_: Any, **__: Any) -> int:
+    """``aten.mkldnn_rnn_layer``: ``x`` is (time, batch, input) or batch first; ``w_input`` is (gates x hidden,
+    input) and ``w_hidden`` (gates x hidden, hidden)."""
+    steps_by_batch = x.numel() // x.shape[-1]
+    return 2 * steps_by_batch * (w_input.numel() + w_hidden.numel())
 
 
 def _record_runs(
