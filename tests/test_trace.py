@@ -681,3 +681,28 @@ def test_sdpa_s_cpu_flash_kernel_holds_its_buffers_inside_the_op():
     assert "aten._scaled_dot_product_flash_attention_for_cpu_backward" in ops, ops
     assert 0 <= m.peak_bytes - m.traced.peak().bytes <= 16, (m.peak_bytes, m.traced.peak().bytes)
     assert trace(build(), fake=True).peak().bytes == m.traced.peak().bytes
+
+
+class _Prompted(nn.Module):
+    """A model whose optimizer also trains a tensor kept beside it (a soft prompt), not one of its parameters."""
+
+    def __init__(self, prompt: nn.Parameter) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.prompt = [prompt]  # a list: not registered as the module's parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) + self.prompt[0]).square().mean()
+
+
+def test_a_tensor_the_optimizer_trains_beside_the_model_is_weights_with_its_gradient():
+    torch.manual_seed(0)
+    prompt = nn.Parameter(torch.zeros(4))
+    model = _Prompted(prompt)
+    w = Workload(model, torch.randn(8, 16), optimizer=lambda ps: torch.optim.Adam([*ps, prompt], lr=1e-3))
+    led = trace(w)
+    weights = sum(p.numel() * p.element_size() for p in [*model.parameters(), prompt])
+    assert sum(e.nbytes for e in led.select(category=Category.WEIGHTS)) == weights
+    beside = {e.name: e.category for e in led.entries if e.name.startswith("optimizer.group0.param2")}
+    assert beside["optimizer.group0.param2"] == Category.WEIGHTS  # it was 'captured', other
+    assert beside["optimizer.group0.param2.grad"] == Category.GRADIENTS  # it was a backward temporary

@@ -202,6 +202,7 @@ def _named_state(
         return
     names = {id(p): n for n, p in model.named_parameters()}
     masters = match_masters(model, optimizer)
+    outside = {id(p): name for name, p in trained_outside(model, optimizer, masters)}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if id(p) in masters:
@@ -209,11 +210,31 @@ def _named_state(
                 yield p, Owner(f"optimizer.{label}", Category.OPTIMIZER, "master")
                 if p.grad is not None:
                     yield p.grad, Owner(f"{label}.grad", Category.GRADIENTS, "master_grad")
+            elif id(p) in outside:  # trained beside the model (a soft prompt): weights, as the model's are
+                label = f"group{gi}.param{pi}"
+                yield p, Owner(outside[id(p)], Category.WEIGHTS, "param")
+                if p.grad is not None:
+                    yield p.grad, Owner(f"{outside[id(p)]}.grad", Category.GRADIENTS, "grad")
             else:
                 label = names.get(id(p), f"group{gi}.param{pi}")
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     yield value, Owner(f"optimizer.{label}.{key}", Category.OPTIMIZER, key)
+
+
+def trained_outside(
+    model: nn.Module, optimizer: torch.optim.Optimizer, masters: dict[int, str] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's parameters that are neither the model's nor master copies of its weights (a soft
+    prompt kept beside the model), named ``optimizer.group<g>.param<i>``: weights the step trains too."""
+    masters = match_masters(model, optimizer) if masters is None else masters
+    model_keys = {storage_key(p) for p in model.parameters()}
+    return [
+        (f"optimizer.group{gi}.param{pi}", p)
+        for gi, group in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(group["params"])
+        if id(p) not in masters and storage_key(p) not in model_keys
+    ]
 
 
 def match_masters(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:

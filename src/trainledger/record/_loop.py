@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainledger.checks import describe
 from trainledger.errors import InputError
-from trainledger.inventory import iter_state, storage_key
+from trainledger.inventory import iter_state, storage_key, trained_outside
 from trainledger.ledger import Category, Entry, Ledger, Peak
 from trainledger.record._compiled import (
     CompiledRegions,
@@ -263,7 +263,8 @@ class Recording(contextlib.ContextDecorator):
         self._name_gradients(live)
 
     def _name_gradients(self, live: _Live) -> None:
-        for pname, p in self.model.named_parameters():  # gradients exist now: name them
+        beside = [named for opt in self.optimizers for named in trained_outside(self.model, opt)]  # a soft prompt
+        for pname, p in [*self.model.named_parameters(), *beside]:  # gradients exist now: name them
             if p.grad is not None:
                 live.tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{pname}.grad")
 

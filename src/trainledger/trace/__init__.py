@@ -21,7 +21,7 @@ import torch
 
 from trainledger.devices import Device, KernelKind, SdpaCall, sdpa_backend
 from trainledger.errors import InputError
-from trainledger.inventory import iter_state
+from trainledger.inventory import iter_state, trained_outside
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._blocks import blocks_differ
 from trainledger.trace._cuda import (
@@ -494,8 +494,8 @@ def _trace(
     for i, t in enumerate(iter_tensors(workload.batch)):
         tracer.known(t, f"batch[{i}]", Category.INPUTS, "batch")
 
-    # listed once: a walk of the model's modules costs more than a phase's marking itself
-    named = list(model.named_parameters())
+    # listed once (a walk of the modules costs more than a phase's marking), with what is trained beside the model
+    named = list(model.named_parameters()) + trained_outside(model, optimizer)
     parameters = [p for _, p in named]
 
     zero_grad_began = 0  # the event zero_grad began at
