@@ -470,14 +470,18 @@ def compact(ledger: Ledger) -> Ledger:
     """The same step with each layer's arrays merged per half-block, category, role, dtype and lifetime.
 
     Peaks and totals are unchanged (up to a few bytes of per-tensor step counters); the sharding
-    transform runs ten times faster on it, which is what the ``fit`` search needs.
+    transform runs ten times faster on it, which is what the ``fit`` search needs. A parameter's state made
+    during the step one parameter at a time (a master copy's fp32 gradient, cast in the optimizer step) stays
+    one entry per parameter: merged per lifetime, a group would hold some of a half-block's parameters, not
+    the length of their merged weight, and sharding keeps such state whole (ZeRO-2 and 3 counted every
+    rank's master gradients on each).
     """
     groups: dict[tuple[object, ...], list[Entry]] = {}
     singles: list[Entry] = []
     for e in ledger.entries:
         name = e.name.removeprefix("optimizer.")
         m = _LAYER_RE.match(name)
-        if m is None:
+        if m is None or (e.category == Category.GRADIENTS and e.role == "master_grad"):
             singles.append(e)
             continue
         group = f"{m.group(1)}.{_release_of(name)}"
