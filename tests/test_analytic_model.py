@@ -139,3 +139,13 @@ def test_the_analytic_model_imports_no_torch():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n.split(".")[0] in ("torch", "transformers") for n in names), (path.name, names)
+
+
+def test_notes_say_where_a_setup_is_not_validated_or_changes_nothing():
+    def notes(**setup: object) -> str:
+        return " ".join(analytic_ledger(LLAMA7B, Setup(micro_batch=1, seq_len=512, **setup)).notes)  # type: ignore[arg-type]
+
+    assert "exact for the Llama family" in notes(lora_rank=8)  # the usual targets, q_proj and v_proj
+    assert "not validated" in notes(lora_rank=8, lora_targets=("down_proj",))
+    assert "changes nothing here" in notes(remat="selective")  # sdpa keeps no T×T tensor to drop
+    assert "changes nothing here" not in notes(remat="selective", attn_impl="eager")
