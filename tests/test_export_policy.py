@@ -146,6 +146,29 @@ def test_exported_policy_restores_buffers_as_the_plan_does(tmp_path):
     assert remat.compare_state(w, exported)[0]  # a whole step, buffers and optimizer state included
 
 
+def test_a_model_under_a_plan_refuses_to_be_copied_and_copies_after_remove(tmp_path):
+    """The wrapped forwards call the original's modules: a deep copy (an EMA, a teacher) trained the original's
+    blocks and none of its own, without a word."""
+    import copy
+
+    from trainledger.errors import InputError
+
+    w = build("gpt-tiny")
+    plan = remat.plan(w, "70%", cost="flops")
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    exported = load(path)
+    for runner, error in ((plan, InputError), (exported, RuntimeError)):
+        runner.apply(w.model)
+        with pytest.raises(error, match="cannot be copied or pickled whole"):
+            copy.deepcopy(w.model)
+        runner.remove(w.model)
+        clone = copy.deepcopy(w.model)  # without the plan: a model of its own, whose backward is its own
+        twin = Workload(clone, w.batch, loss_fn=w.loss_fn)
+        compute_loss(twin, call_model(clone, w.batch)).backward()
+        assert all(p.grad is None for p in w.model.parameters()) and all(p.grad is not None for p in clone.parameters())
+
+
 @pytest.mark.parametrize("name", ["remat-policy.py", "policy.txt", "missing/policy.py"])
 def test_cli_refuses_a_policy_path_before_any_work(tmp_path, capsys, name):
     from trainledger.cli import main

@@ -491,13 +491,26 @@ def _in_backward() -> bool:
 
 @dataclass
 class _Wrapped:
-    """What a wrapped module keeps while a plan is applied."""
+    """What a wrapped module keeps while a plan is applied; it refuses to be copied (see ``_NO_COPY``)."""
 
     original: Any
     regions: dict[int | None, Region]
     num_calls: int
     count: int = 0
     ran: dict[int | None, int] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise InputError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise InputError(_NO_COPY)
+
+
+_NO_COPY = (
+    "a model a plan is applied to cannot be copied or pickled whole: its recomputed regions' forwards call the "
+    "original model's modules (a copy would train them); plan.remove(model) first (state_dict() is unaffected), "
+    "copy, then apply the plan to each"
+)
 
 
 def _each_tensor_once(

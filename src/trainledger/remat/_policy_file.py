@@ -38,6 +38,21 @@ STRIDED_OPS: frozenset[str] = frozenset()  # matrix products
 
 _STATE = "_remat_policy_state"
 _HOOK = "_remat_policy_hook"
+_NO_COPY = (
+    "a model this policy is applied to cannot be copied or pickled whole: its wrapped forwards call the original "
+    "model's modules (a copy would train them); remove(model) first (state_dict() is unaffected), copy, then "
+    "apply(copy)"
+)
+
+
+class _State(dict):  # type: ignore[type-arg]
+    """What a wrapped module keeps while the policy is applied; it refuses to be copied (see ``_NO_COPY``)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(_NO_COPY)
 
 
 def policy_fn(policy: str) -> Any:
@@ -114,11 +129,11 @@ def remove(model: nn.Module) -> None:
 
 def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple]) -> dict[str, Any]:
     inner = module.forward
-    state = {
-        "original": module.__dict__.get("forward"),
-        "num_calls": max(r[3] for r in regions.values()),
-        "count": 0,
-    }
+    state = _State(
+        original=module.__dict__.get("forward"),
+        num_calls=max(r[3] for r in regions.values()),
+        count=0,
+    )
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
