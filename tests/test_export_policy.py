@@ -169,7 +169,7 @@ def test_a_model_under_a_plan_refuses_to_be_copied_and_copies_after_remove(tmp_p
         assert all(p.grad is None for p in w.model.parameters()) and all(p.grad is not None for p in clone.parameters())
 
 
-@pytest.mark.parametrize("name", ["remat-policy.py", "policy.txt", "missing/policy.py"])
+@pytest.mark.parametrize("name", ["remat-policy.py", "policy.txt", "missing/policy.py", "class.py", "policy.PY"])
 def test_cli_refuses_a_policy_path_before_any_work(tmp_path, capsys, name):
     from trainledger.cli import main
 
@@ -178,6 +178,14 @@ def test_cli_refuses_a_policy_path_before_any_work(tmp_path, capsys, name):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "policy file" in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--export-policy", "--save"])
+def test_cli_refuses_an_empty_output_path(capsys, flag):
+    from trainledger.cli import main
+
+    assert main(["plan", "--model", "gpt-tiny", "--budget", "60%", flag, ""]) == 2  # it wrote nothing, silently
+    assert f"{flag} was given an empty path" in capsys.readouterr().err
 
 
 @pytest.mark.slow

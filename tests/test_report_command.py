@@ -352,6 +352,8 @@ def _first_temporary(data: dict) -> int:
         ("plan", _edit("budget_bytes", -5), "the plan's budget_bytes -5 must be at least 0"),
         ("plan", _edit("regions.0.policy", "bogus"), "unknown recomputation policy 'bogus'; accepted: full"),
         ("plan", _edit("regions", [1, 2]), "a region is an int 1, not an object"),
+        ("plan", _edit("regions.0.num_calls", 0), "a region's num_calls 0 must be at least 1"),  # a modulo by zero
+        ("plan", _edit("regions.0.call", "1"), "a region's call '1' is a str"),
     ],
 )
 def test_hand_edited_files_are_refused_naming_the_value(cli, tmp_path, traced, small_gpt, kind, edit, fragment):

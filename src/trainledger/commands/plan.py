@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import keyword
 import shlex
 import sys
 from collections.abc import Iterator
@@ -161,6 +162,9 @@ def compute(args: argparse.Namespace) -> PlanResult:
 
     kind = check_kernel_kind(args)
     budget = budget_for(args)  # before the step is traced
+    for flag, given in (("--save", args.save), ("--export-policy", args.export_policy)):
+        if given is not None and not given.strip():
+            raise InputError(f"{flag} was given an empty path; give a file name (plan.json, remat_policy.py)")
     if args.save:
         check_output_path(args.save, (".json",), what="plan", protect=input_paths(args))
     if args.export_policy:
@@ -195,7 +199,9 @@ def _refuse_a_loaded_module(path: str) -> None:
 def check_policy_path(args: argparse.Namespace) -> None:
     """``--export-policy``: a writable ``.py`` path whose name can be imported."""
     path = check_output_path(args.export_policy, (".py",), what="policy file", protect=input_paths(args))
-    if not path.stem.isidentifier():
+    if path.suffix != ".py":  # import finds module.py, not module.PY
+        raise InputError(f"policy file name {path.name!r} must end in .py (lower case) for `import {path.stem}`")
+    if not path.stem.isidentifier() or keyword.iskeyword(path.stem):
         raise InputError(
             f"policy file name {path.name!r} cannot be imported (`import {path.stem}`); "
             "use letters, digits and _, as in remat_policy.py"

@@ -186,8 +186,8 @@ class Region:
         return cls(
             str(d["path"]),
             one_of(d.get("policy", "full"), "recomputation policy", POLICIES),
-            call=None if d.get("call") is None else int(d["call"]),
-            num_calls=int(d.get("num_calls", 1)),
+            call=None if d.get("call") is None else whole_number(d["call"], "a region's call", minimum=0),
+            num_calls=whole_number(d.get("num_calls", 1), "a region's num_calls"),
             restore=tuple(str(n) for n in d.get("restore", ())),
         )
 
