@@ -200,3 +200,35 @@ def test_cli_writes_the_policy_with_the_command_that_made_it(tmp_path, capsys):
     text = path.read_text()
     assert "# made by: trainledger plan --model gpt-tiny --budget 60% --cost flops\n" in text
     assert load(path).REGIONS
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_with_its_cache_on_recomputes_with_it_off_and_gets_it_back(tmp_path):
+    """transformers builds models with ``use_cache=True``: a recomputed layer appended to the key/value cache
+    again and saved other tensors (``CheckpointError`` in backward). ``apply`` turns it off, as transformers'
+    own gradient checkpointing does, and ``remove`` turns it on again; the gradients are the plain step's."""
+    from trainledger.analytic import Setup
+    from trainledger.hf import workload_from_setup
+
+    w = workload_from_setup(
+        Path(__file__).parent / "fixtures" / "hf" / "llama-small.json", Setup(micro_batch=2, seq_len=256)
+    )
+    plan = remat.plan(w, "85%", cost="flops")
+    assert plan.regions
+    torch.manual_seed(0)
+    compute_loss(w, call_model(w.model, w.batch)).backward()
+    plain = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    for runner in (plan, load(path)):
+        w.model.config.use_cache = True
+        with pytest.warns(UserWarning, match="use_cache=True does not go with recomputation"):
+            runner.apply(w.model)
+        assert w.model.config.use_cache is False
+        w.model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        compute_loss(w, call_model(w.model, w.batch)).backward()
+        got = {n: p.grad for n, p in w.model.named_parameters() if p.grad is not None}
+        runner.remove(w.model)
+        assert w.model.config.use_cache is True
+        assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in plain)

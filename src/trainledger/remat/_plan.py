@@ -30,7 +30,7 @@ from torch import nn
 from trainledger.checks import describe, one_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
-from trainledger.remat._policy_file import on_a_copy_when_recomputed
+from trainledger.remat._policy_file import cache_back, cache_off, on_a_copy_when_recomputed
 
 PLAN_SCHEMA = "trainledger.remat-plan/1"
 
@@ -287,6 +287,7 @@ class Plan:
         for path in by_path:
             if _STATE in model.get_submodule(path).__dict__:
                 raise InputError(f"module {path!r} already runs under a plan; remove that plan first")
+        cache_off(model)
         states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
 
         def new_forward_of_the_model(_module: nn.Module, _args: Any) -> None:
@@ -297,10 +298,12 @@ class Plan:
         model.__dict__[_HOOK] = model.register_forward_pre_hook(new_forward_of_the_model)
 
     def remove(self, model: nn.Module) -> None:
-        """Restore the original ``forward`` of every region this plan wrapped."""
+        """Restore the original ``forward`` of every region this plan wrapped (and a Hugging Face model's
+        key/value cache, turned off while it ran)."""
         hook = model.__dict__.pop(_HOOK, None)
         if hook is not None:
             hook.remove()
+        cache_back(model)
         for path in dict.fromkeys(r.path for r in self.regions):
             module = model.get_submodule(path)
             st = module.__dict__.pop(_STATE, None)

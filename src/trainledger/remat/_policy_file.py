@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -98,6 +99,7 @@ def apply(model: nn.Module) -> None:
     """Make ``model`` recompute the regions (in place; undo with :func:`remove`)."""
     if _HOOK in model.__dict__:
         raise RuntimeError("the model already runs under this policy; call remove(model) first")
+    cache_off(model)
     by_path: dict[str, dict[int | None, tuple]] = {}
     for region in REGIONS:
         by_path.setdefault(region[0], {})[region[2]] = region
@@ -116,6 +118,7 @@ def remove(model: nn.Module) -> None:
     hook = model.__dict__.pop(_HOOK, None)
     if hook is not None:
         hook.remove()
+    cache_back(model)
     for path in dict.fromkeys(region[0] for region in REGIONS):
         module = model.get_submodule(path)
         state = module.__dict__.pop(_STATE, None)
@@ -125,6 +128,28 @@ def remove(model: nn.Module) -> None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = state["original"]
+
+
+_CACHE_WAS_ON = "_remat_policy_use_cache"
+
+
+def cache_off(model: nn.Module) -> None:
+    """A Hugging Face model's key/value cache off while it recomputes, as its ``gradient_checkpointing_enable``
+    does: a recomputed layer would append to the cache again and save other tensors (a ``CheckpointError``
+    in backward). :func:`cache_back` turns it on again."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        warnings.warn(
+            "model.config.use_cache=True does not go with recomputation: set to False until the plan is removed",
+            stacklevel=3,
+        )
+        config.use_cache = False
+        model.__dict__[_CACHE_WAS_ON] = True
+
+
+def cache_back(model: nn.Module) -> None:
+    if model.__dict__.pop(_CACHE_WAS_ON, False):
+        model.config.use_cache = True
 
 
 def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple]) -> dict[str, Any]:
