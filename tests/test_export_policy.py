@@ -232,3 +232,28 @@ def test_a_hugging_face_model_with_its_cache_on_recomputes_with_it_off_and_gets_
         runner.remove(w.model)
         assert w.model.config.use_cache is True
         assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in plain)
+
+
+def test_a_plan_and_its_exported_policy_do_not_stack_and_a_failed_apply_wraps_nothing(tmp_path):
+    from torch import nn
+
+    from trainledger.errors import InputError
+
+    w = build("gpt-tiny")
+    plan = remat.plan(w, "70%", cost="flops")
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    exported = load(path)
+    plan.apply(w.model)
+    with pytest.raises(RuntimeError, match="already runs under a plan or policy"):
+        exported.apply(w.model)  # nested checkpoints, and remove left the other's state behind
+    plan.remove(w.model)
+    exported.apply(w.model)
+    with pytest.raises(InputError, match="already runs under a plan"):
+        plan.apply(w.model)
+    exported.remove(w.model)
+    other = nn.Sequential(nn.Linear(4, 4))  # none of the plan's modules: refused before any is wrapped
+    with pytest.raises(AttributeError):
+        exported.apply(other)
+    assert not any(k.startswith("_remat_policy") for m in other.modules() for k in m.__dict__)
+    assert not other._forward_pre_hooks

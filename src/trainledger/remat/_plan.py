@@ -30,7 +30,8 @@ from torch import nn
 from trainledger.checks import describe, one_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
-from trainledger.remat._policy_file import cache_back, cache_off, on_a_copy_when_recomputed
+from trainledger.remat._policy_file import _STATE as POLICY_STATE
+from trainledger.remat._policy_file import PLAN_STATE, cache_back, cache_off, on_a_copy_when_recomputed
 
 PLAN_SCHEMA = "trainledger.remat-plan/1"
 
@@ -133,7 +134,7 @@ Policy = str
 """``full`` or a name in :data:`OP_POLICIES`."""
 POLICIES: tuple[str, ...] = ("full", *OP_POLICIES)
 
-_STATE = "_trainledger_remat"  # instance attributes only while a plan is applied
+_STATE = PLAN_STATE  # instance attributes only while a plan is applied
 _HOOK = "_trainledger_remat_hook"
 _NO_INSTANCE_FORWARD = object()
 
@@ -285,7 +286,7 @@ class Plan:
         for r in self.regions:
             by_path.setdefault(r.path, []).append(r)
         for path in by_path:
-            if _STATE in model.get_submodule(path).__dict__:
+            if {_STATE, POLICY_STATE} & model.get_submodule(path).__dict__.keys():  # a plan, or an exported one
                 raise InputError(f"module {path!r} already runs under a plan; remove that plan first")
         cache_off(model)
         states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]

@@ -39,6 +39,7 @@ STRIDED_OPS: frozenset[str] = frozenset()  # matrix products
 
 _STATE = "_remat_policy_state"
 _HOOK = "_remat_policy_hook"
+PLAN_STATE = "_trainledger_remat"  # what trainledger's own Plan.apply leaves on a module it wraps
 _NO_COPY = (
     "a model this policy is applied to cannot be copied or pickled whole: its wrapped forwards call the original "
     "model's modules (a copy would train them); remove(model) first (state_dict() is unaffected), copy, then "
@@ -99,10 +100,13 @@ def apply(model: nn.Module) -> None:
     """Make ``model`` recompute the regions (in place; undo with :func:`remove`)."""
     if _HOOK in model.__dict__:
         raise RuntimeError("the model already runs under this policy; call remove(model) first")
-    cache_off(model)
     by_path: dict[str, dict[int | None, tuple]] = {}
     for region in REGIONS:
         by_path.setdefault(region[0], {})[region[2]] = region
+    for path in by_path:  # every module found and free before any is wrapped
+        if {_STATE, PLAN_STATE} & model.get_submodule(path).__dict__.keys():
+            raise RuntimeError(f"module {path!r} already runs under a plan or policy; remove it first")
+    cache_off(model)
     states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
 
     def new_forward_of_the_model(_module: nn.Module, _args: Any) -> None:
