@@ -219,3 +219,14 @@ def test_a_config_whose_model_type_and_architectures_disagree_says_so(cli, tmp_p
     (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "t5"}))
     status, _out, err = cli("trace", "--hf-config", str(tmp_path), "--fake")
     assert status == 2 and "'LlamaForCausalLM', a class of model_type 'llama'" in err and "'t5'" in err
+
+
+def test_a_rank_s_share_of_the_parameters_is_called_so(cli):
+    """Under tensor or pipeline parallelism the trainable count is one rank's share, not the model's."""
+    code, out, _ = cli("estimate", "--hf-config", LLAMA7B, "--tensor-parallel", "4", "--pipeline-parallel", "2")
+    words = " ".join(out.split())  # as wrapped to the console's width
+    assert (
+        code == 0 and "on this rank (its tensor-parallel or pipeline share)" in words and "tensor-parallel 4" in words
+    )
+    code, out, _ = cli("estimate", "--hf-config", LLAMA7B)
+    assert code == 0 and "trainable 6,738,415,616 " in " ".join(out.split()) and "on this rank" not in out

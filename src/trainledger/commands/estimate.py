@@ -233,10 +233,13 @@ def render(result: EstimateResult, console: Console, *, device: Device | None = 
         f"{result.spec.family} from {result.source}: micro-batch {s.micro_batch} × {s.seq_len} tokens, {s.recipe}, "
         f"{s.optimizer}, {s.attn_impl}, remat {s.remat}"
         + (f", ZeRO-{result.stage[-1]} over {result.world} ranks (rank 0)" if result.world > 1 else "")
+        + (f", tensor-parallel {s.tensor_parallel}" if s.tensor_parallel > 1 else "")
     )
     per_layer = result.saved_bytes_per_layer
+    split = s.tensor_parallel > 1 or s.pipeline_parallel > 1  # the ledger is one rank's share of the layers
     facts = [
-        f"parameters {result.num_params:,} (exact: transformers' own count); trainable {result.num_trainable_params:,}",
+        f"parameters {result.num_params:,} (exact: transformers' own count); trainable "
+        f"{result.num_trainable_params:,}" + (" on this rank (its tensor-parallel or pipeline share)" if split else ""),
         f"activations saved per layer {per_layer:,} bytes ({both_units(per_layer)})",
         "an analytic peak is an estimate; `trainledger trace --hf-config ... --fake` traces the real step at full size",
     ]
