@@ -296,7 +296,7 @@ def test_a_step_ended_under_another_mode_or_a_second_record_leaves_nothing_behin
         opt.step()
     assert _get_current_dispatch_mode() is None  # the tracer does not stay on for the rest of the process
     with pytest.raises(InputError, match="another record"), record(model, opt), record(model, opt):
-        pass
+        raise AssertionError("entering the second record raises before this line")
     assert _get_current_dispatch_mode() is None
     with record(model, opt) as rec:  # and the next record runs as usual
         model(torch.randn(1, 2)).sum().backward()

@@ -160,7 +160,8 @@ def _checker(hint: Any) -> _Check:
 
 
 def _is_a(hint: Any) -> Callable[[Any], bool]:
-    """Whether a value is a ``hint`` at its top level (what is inside a container is not looked at)."""
+    """Whether a value is a ``hint`` at its top level (what is inside a container is not looked at); a union
+    is taken apart by :func:`_checker`, so ``hint`` is none."""
     origin = typing.get_origin(hint) or hint
     if hint is Any or isinstance(hint, (typing.TypeVar, str, typing.ForwardRef)):
         return lambda _v: True
@@ -169,9 +170,6 @@ def _is_a(hint: Any) -> Callable[[Any], bool]:
     if origin is typing.Literal:
         accepted = typing.get_args(hint)
         return lambda v: v in accepted
-    if origin in (typing.Union, types.UnionType):
-        arms = [_is_a(a) for a in typing.get_args(hint)]
-        return lambda v: any(is_arm(v) for is_arm in arms)
     if hint is float:
         return lambda v: type(v) is float or (isinstance(v, (int, float)) and not isinstance(v, bool))
     if hint is int:
@@ -243,3 +241,9 @@ def _type_name(hint: Any) -> str:
     if isinstance(hint, type) and not typing.get_args(hint):
         return hint.__name__
     return str(hint).replace("typing.", "")
+
+
+def unreadable_json(exc: RecursionError | ValueError) -> str:
+    """Why ``json.loads`` refused text that is JSON: nested too deeply, or an integer of thousands of digits
+    (Python's limit on converting digits)."""
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]

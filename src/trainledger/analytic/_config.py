@@ -26,6 +26,7 @@ from trainledger.checks import (
     MAX_WIDTH,
     Limit,
     describe,
+    unreadable_json,
 )
 from trainledger.errors import InputError
 
@@ -133,7 +134,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             f"config {str(p)!r} nests too deeply to be a config.json; give a model's config.json"
         ) from None
     except ValueError as exc:  # an integer of thousands of digits
-        raise InputError(f"config {str(p)!r} is not a config.json ({str(exc).split(':')[0]}); fix the file") from None
+        raise InputError(f"config {str(p)!r} is not a config.json ({unreadable_json(exc)}); fix the file") from None
     if not isinstance(raw, dict):
         raise InputError(
             f"config {str(p)!r} holds a JSON {type(raw).__name__}; give an object of config keys (a config.json)"

@@ -202,6 +202,7 @@ class Recording(contextlib.ContextDecorator):
         self._regions = CompiledRegions(model, lambda: None if self._live is None else self._live.tracer)
         self._entered = False
         self._stranded: _Live | None = None  # a step's tracer left under another dispatch mode (see ``_pop``)
+        self._beside: list[tuple[str, torch.Tensor]] = []  # trained by the optimizers, not the model's
 
     # --- entering and leaving --------------------------------------------------------------------
 
@@ -214,6 +215,8 @@ class Recording(contextlib.ContextDecorator):
                 "tracer is a dispatch mode): leave it before entering this one"
             )
         self._entered = True
+        # what the optimizers train beside the model (a soft prompt): found once, not at every step
+        self._beside = [named for opt in self.optimizers for named in trained_outside(self.model, opt)]
         self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
@@ -263,8 +266,7 @@ class Recording(contextlib.ContextDecorator):
         self._name_gradients(live)
 
     def _name_gradients(self, live: _Live) -> None:
-        beside = [named for opt in self.optimizers for named in trained_outside(self.model, opt)]  # a soft prompt
-        for pname, p in [*self.model.named_parameters(), *beside]:  # gradients exist now: name them
+        for pname, p in [*self.model.named_parameters(), *self._beside]:  # gradients exist now: name them
             if p.grad is not None:
                 live.tracer.mark(p.grad, Category.GRADIENTS, "grad", f"{pname}.grad")
 

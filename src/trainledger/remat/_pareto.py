@@ -342,8 +342,7 @@ class _ReservedSweep:
         return cls(config, capacity_bytes, sharding, rp, plain.max_reserved_bytes, floor_reserved.max_reserved_bytes)
 
     def budgets(self, num_budgets: int) -> list[int]:
-        # once each: where the floor is (nearly) the plain peak, the budgets coincide
-        return list(dict.fromkeys(int(x) for x in np.linspace(self.plain_bytes, self.floor_bytes, num_budgets).round()))
+        return budget_sweep(self.plain_bytes, self.floor_bytes, num_budgets)
 
     def row(self, planner: Planner, workload: Workload, budget: int, verify: bool, time_limit_s: float) -> ParetoRow:
         """Our plan for ``budget`` on reserved memory, or the one closest to it where no round meets it."""
@@ -434,11 +433,14 @@ def _sweep(
     )
 
 
+def budget_sweep(plain_bytes: int, floor_bytes: int, num_budgets: int) -> list[int]:
+    """``num_budgets`` evenly from the plain peak down to the floor, each once (where the floor is the plain
+    peak, no plan lowers it: one row says so, not eight of the same)."""
+    return list(dict.fromkeys(int(x) for x in np.linspace(plain_bytes, floor_bytes, num_budgets).round()))
+
+
 def _budgets(planner: Planner, num_budgets: int) -> list[int]:
-    """``num_budgets`` from the plain peak down to the floor, each once (where the floor is the plain peak,
-    no plan lowers it: one row says so, not eight of the same)."""
-    budgets = np.linspace(planner.plain_peak_bytes, planner.floor_bytes, num_budgets).round().astype(np.int64)
-    return list(dict.fromkeys(int(x) for x in budgets))
+    return budget_sweep(planner.plain_peak_bytes, planner.floor_bytes, num_budgets)
 
 
 def _allocated_row(
@@ -519,7 +521,7 @@ def pareto_per_rank(
     at_peaks = {
         b.peak_bytes for b in baselines if b.peak_bytes is not None and floor_rank <= b.peak_bytes <= plain_rank
     }
-    sweep = {int(x) for x in np.linspace(plain_rank, floor_rank, num_budgets).round()}
+    sweep = set(budget_sweep(plain_rank, floor_rank, num_budgets))
     sweep |= {p.peak_bytes for p in (uniform, sqrt_n) if floor_rank <= p.peak_bytes <= plain_rank} | at_peaks
     ours: dict[int, Point | None] = {}
     for b in sorted(sweep if reserved is None else at_peaks, reverse=True):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainledger.checks import describe, one_of, whole_number
+from trainledger.checks import describe, one_of, unreadable_json, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.remat._policy_file import _STATE as POLICY_STATE
@@ -425,9 +425,8 @@ class Plan:
             raise InputError(f"plan file {str(path)!r} is not a UTF-8 text file; give a plan JSON file") from None
         except OSError as exc:
             raise InputError(f"plan file {str(path)!r} cannot be read ({exc.strerror or type(exc).__name__})") from None
-        except (RecursionError, ValueError) as exc:  # nested too deeply, an integer of thousands of digits
-            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
-            raise InputError(f"plan file {str(path)!r} is JSON no plan holds ({why})") from None
+        except (RecursionError, ValueError) as exc:
+            raise InputError(f"plan file {str(path)!r} is JSON no plan holds ({unreadable_json(exc)})") from None
         if not isinstance(data, dict):
             raise InputError(f"plan file {str(path)!r} holds {type(data).__name__}, not a plan object")
         try:

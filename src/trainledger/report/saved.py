@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainledger.checks import fields_of_their_types
+from trainledger.checks import fields_of_their_types, unreadable_json
 from trainledger.errors import InputError
 from trainledger.ledger import SCHEMA as LEDGER_SCHEMA
 from trainledger.ledger import Entry, Ledger, LedgerSummary
@@ -221,9 +221,10 @@ def read_json(path: Path) -> dict[str, Any]:
             f"{str(path)!r} is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); give a JSON file "
             "trainledger wrote"
         ) from None
-    except (RecursionError, ValueError) as exc:  # nested too deeply to parse, an integer of thousands of digits
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
-        raise InputError(f"{str(path)!r} is JSON trainledger never writes ({why}); give a file it wrote") from None
+    except (RecursionError, ValueError) as exc:
+        raise InputError(
+            f"{str(path)!r} is JSON trainledger never writes ({unreadable_json(exc)}); give a file it wrote"
+        ) from None
     if not isinstance(data, dict):
         raise InputError(
             f"{str(path)!r} holds a JSON {type(data).__name__}, not an object trainledger wrote; give one it wrote"
