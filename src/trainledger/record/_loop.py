@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -199,7 +201,9 @@ class Recording(contextlib.ContextDecorator):
         self._handles: list[Any] = []
         self._watches = contextlib.ExitStack()  # what record follows outside dispatch while it runs
         self._compiled: list[str] = []  # modules that run compiled
-        self._regions = CompiledRegions(model, lambda: None if self._live is None else self._live.tracer)
+        # the regions ask for the tracer through a weak reference: a closure over ``self`` would make a cycle
+        # that keeps the model and its optimizers alive after the user lets go of them, until a collection
+        self._regions = CompiledRegions(model, functools.partial(_live_tracer, weakref.ref(self)))
         self._entered = False
         self._stranded: _Live | None = None  # a step's tracer left under another dispatch mode (see ``_pop``)
         self._beside: list[tuple[str, torch.Tensor]] = []  # trained by the optimizers, not the model's
@@ -481,6 +485,12 @@ def record(
         ``rec.ledger(step=k)``, ``rec.peak()``, ``rec.save(path)``.
     """
     return Recording(model, *optimizers, steps=steps, name=name, kernel_workspace=kernel_workspace)
+
+
+def _live_tracer(recording: weakref.ref[Recording]) -> StepTracer | None:
+    """The tracer of the step ``recording`` is tracing now, if any."""
+    rec = recording()
+    return None if rec is None or rec._live is None else rec._live.tracer
 
 
 def _selection(steps: int | Iterable[int] | None) -> frozenset[int] | None:

@@ -33,7 +33,7 @@ region's backward, so a plan's predicted ledger has a real breakdown at its peak
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Any, Literal
@@ -121,21 +121,30 @@ def _positions(tree: CallTree, model: nn.Module) -> tuple[list[int], set[int]]:
     positions: list[int] = []
     blocks: set[int] = set()
 
-    def visit(ids: Sequence[int], block_kinds: set[type]) -> None:
+    def level(ids: Sequence[int], block_kinds: set[type]) -> Iterator[tuple[int, bool, set[type]]]:
+        """The live calls among ``ids``, each with whether it is a wrapper at this level."""
         ids = [i for i in ids if live[i]]
         for i in ids:
-            # opened: the model's own call, a call alone at its level or holding one call (a wrapper and
-            # what it wraps) unless it is a block of a stack (a residual block around one Sequential is what
-            # checkpointing wraps), and calls that hold a stack of blocks somewhere inside
-            wrapper = (len(ids) == 1 or len(kids[i]) == 1) and kind(i) not in block_kinds
-            if tree.calls[i].path == ROOT or wrapper or i in holds_stack:
-                visit(kids[i], stacks[i])
-            else:
-                positions.append(i)
-                if kind(i) in block_kinds:
-                    blocks.add(i)
+            yield i, (len(ids) == 1 or len(kids[i]) == 1) and kind(i) not in block_kinds, block_kinds
 
-    visit(tree.top, set())
+    # depth first, in forward order, with a stack of levels (a recursive inner function would refer to itself,
+    # a cycle that holds the model until a collection)
+    levels = [level(tree.top, set())]
+    while levels:
+        step = next(levels[-1], None)
+        if step is None:
+            levels.pop()
+            continue
+        i, wrapper, block_kinds = step
+        # opened: the model's own call, a call alone at its level or holding one call (a wrapper and what it
+        # wraps) unless it is a block of a stack (a residual block around one Sequential is what checkpointing
+        # wraps), and calls that hold a stack of blocks somewhere inside
+        if tree.calls[i].path == ROOT or wrapper or i in holds_stack:
+            levels.append(level(kids[i], stacks[i]))
+        else:
+            positions.append(i)
+            if kind(i) in block_kinds:
+                blocks.add(i)
     return sorted(positions, key=lambda i: tree.calls[i].start), blocks
 
 

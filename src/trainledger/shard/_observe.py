@@ -85,21 +85,23 @@ class CollectiveCounter(TorchDispatchMode):
         ]
 
 
-def _payload(name: str, args: tuple[Any, ...]) -> int:
-    def nbytes(x: Any) -> int:
-        if isinstance(x, torch.Tensor):
-            return x.numel() * x.element_size()
-        if isinstance(x, (list, tuple)):
-            return sum(nbytes(y) for y in x)
-        return 0
+def _nbytes(x: Any) -> int:
+    """Bytes of the tensors in ``x`` (a tensor, or lists and tuples of them)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
 
+
+def _payload(name: str, args: tuple[Any, ...]) -> int:
     if name in ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"):
-        return nbytes(args[1])  # (output, input, ...)
+        return _nbytes(args[1])  # (output, input, ...)
     if name == "reduce_scatter_":
-        return nbytes(args[1])  # (outputs, input_lists, ...)
+        return _nbytes(args[1])  # (outputs, input_lists, ...)
     if name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_"):
-        return nbytes(args[0])  # output(s)
-    return nbytes(args[0])
+        return _nbytes(args[0])  # output(s)
+    return _nbytes(args[0])
 
 
 # --- collectives settled for tracing ------------------------------------------------------------------
