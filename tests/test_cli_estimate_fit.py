@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,21 @@ def test_fit_answers_with_configurations_that_fit(cli_json):
     assert costs[0] == 1.0 and costs == sorted(costs)
     assert all(c["relative_cost"] is None for c in d["does_not_fit"])  # no cost compared, none claimed
     assert d["num_params"] == 8_030_261_248 and d["evidence"] == "analytic"
+
+
+def test_fit_at_one_rank_tries_one_zero_stage_and_says_why():
+    """At one rank every ZeRO stage holds the whole state: four identical rows per configuration were noise."""
+    from trainledger import FitOptions, Setup, fit
+
+    options = FitOptions(device_memory=80 * 2**30, micro_batches=(1, 2))
+    one = fit(LLAMA3, options, Setup(seq_len=1024))
+    assert {c.stage for c in (*one.fitting, *one.overflowing)} == {"zero0"}
+    assert any("only ZeRO stage 0 was tried" in n for n in one.notes)
+    eight = fit(LLAMA3, replace(options, world=8), Setup(seq_len=1024))
+    assert {c.stage for c in eight.fitting} == {"zero0", "zero1", "zero2", "zero3"}
+    assert not any("ZeRO stage" in n for n in eight.notes)
+    only_zero0 = fit(LLAMA3, replace(options, stages=("zero0",)), Setup(seq_len=1024))
+    assert [c.key for c in one.fitting] == [c.key for c in only_zero0.fitting] and not only_zero0.notes
 
 
 def test_fit_on_a_tiny_device_says_nothing_fits(cli):

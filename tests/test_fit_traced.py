@@ -62,11 +62,11 @@ def test_traced_and_analytic_columns_agree_within_1_percent_under_the_cuda_kind(
     options = FitOptions(device_memory=2 * 2**30, micro_batches=(1, 2), remats=(remat,))
     r = trace_top(fit(LLAMA, options, base), 2)
     rows = [c for c in r.fitting if c.traced_peak_bytes is not None]
-    assert len(rows) >= 2  # rows that differ only in ZeRO stage share a trace
+    assert len(rows) >= 2
     for c in rows:
         assert c.remat == remat and c.traced_peak_bytes == pytest.approx(c.peak_bytes, rel=0.01), c.key
     card = "A100-80GB" if gpu else "H100-80GB-SXM"
-    assert f"cuda kernels as on {card}" in r.notes[0]
+    assert any(n.startswith("traced peak") and f"cuda kernels as on {card}" in n for n in r.notes), r.notes
 
 
 @pytest.mark.slow

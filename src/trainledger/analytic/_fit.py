@@ -235,6 +235,14 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
     spec = arch_from_config(raw)
     check_positions(spec, base)
     stages = [parse_strategy(s) for s in options.stages]
+    notes: tuple[str, ...] = ()
+    if options.world == 1 and len(stages) > 1:
+        # one rank holds every shard: each stage's rows would repeat the first's
+        notes = (
+            "one data-parallel rank: every ZeRO stage holds the whole state there, so only ZeRO stage "
+            f"{stages[0][-1]} was tried (--world N compares stages)",
+        )
+        stages = stages[:1]
     fitting: list[Candidate] = []
     overflowing: list[Candidate] = []
     steps: dict[Setup, Ledger] = {}  # a step's ledger is the same under every ZeRO stage: built once
@@ -260,6 +268,7 @@ def fit(config: str | Path | dict[str, Any], options: FitOptions, base: Setup | 
         fitting=_best_first(fitting),
         overflowing=tuple(overflowing),
         config=raw,
+        notes=notes,
     )
 
 
