@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests import record_loop
 from trainledger import examples
 from trainledger.inventory import declared_state_layout, inventory, iter_state_tensors, unique_storage_bytes
 from trainledger.ledger import Evidence
@@ -107,6 +108,21 @@ def test_declared_layout_matches_the_state_after_a_real_step(cls, kwargs):
     assert after.evidence == Evidence.INVENTORIED
     if cls is not torch.optim.Adagrad:  # Adagrad creates its state in __init__
         assert before.evidence == Evidence.DECLARED and layout is not None
+
+
+def test_state_kept_in_lists_is_optimizer_state():
+    """L-BFGS keeps its history of directions and steps as lists of tensors: optimizer state, counted."""
+    model, opt, closure = record_loop.lbfgs()
+    for _ in range(2):
+        opt.step(closure)
+    state = opt.state[model.weight]
+    history = [t for key in ("old_dirs", "old_stps", "ro", "al") for t in state[key]]
+    assert len(history) > 8  # four full lists, by hand
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in history}
+    held |= {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in state.values() if torch.is_tensor(v)}
+    led = inventory(model, opt)
+    assert led.bytes_by("category")[("optimizer",)] == sum(held.values())
+    assert any(e.name == "optimizer.weight.old_dirs[0]" and e.role == "old_dirs" for e in led.entries)
 
 
 def test_unknown_optimizer_without_layout_is_named_not_hidden():

@@ -18,6 +18,7 @@ from torch import nn
 import trainledger
 from tests import record_loop
 from trainledger import Category, InputError, record
+from trainledger.declared import RNG_STATE_ROLE
 from trainledger.report.saved import open_saved
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +85,44 @@ def test_a_small_loop_is_bitwise_unchanged() -> None:
     assert assert_bitwise(loop(False), loop(True)) == 4 + 4 * 3 + 1
 
 
+def test_the_generator_states_checkpointing_keeps_are_recorded_and_training_is_unchanged() -> None:
+    """Each checkpointed call keeps a copy of the CPU generator's state (5,056 bytes) until its backward: the
+    ledger lists one per call, and a loop with dropout inside a checkpoint trains bitwise as without record."""
+    plain = record_loop.build(checkpointed=True)
+    record_loop.train(**plain)
+    run = record_loop.build(checkpointed=True)
+    with record(run["model"], run["opt"], steps=1) as rec:
+        record_loop.train(**run)
+    assert assert_bitwise(state_of(plain), state_of(run)) > 10
+    led = rec.ledger(step=1)
+    states = [e for e in led.entries if e.role == RNG_STATE_ROLE]
+    assert {e.nbytes for e in states} == {torch.get_rng_state().numel()} and all(e.free_event for e in states)
+    # per micro-batch, each of the two checkpointed calls copies the state as it runs forward, and its
+    # recomputation in backward copies it again (``fork_rng`` keeps the state it restores after)
+    phases = [led.events[e.alloc_event].phase for e in states]
+    assert phases.count("forward") == phases.count("backward") == 2 * record_loop.ACCUMULATION
+
+
+def test_lbfgs_history_made_in_a_recorded_step_is_optimizer_state() -> None:
+    """L-BFGS's lists of directions and steps, those from earlier steps and those the step appends: what is
+    alive in the optimizer category as the step ends is every state tensor the optimizer holds, by hand."""
+    model, opt, closure = record_loop.lbfgs()
+    with record(model, opt, steps=1) as rec:
+        for _ in range(2):
+            opt.step(closure)
+    state = opt.state[model.weight]
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for v in state.values()
+        for t in (v if isinstance(v, list) else [v])
+        if torch.is_tensor(t)
+    }
+    led = rec.ledger(step=1)
+    alive = [e for e in led.entries if e.free_event is None and e.category == Category.OPTIMIZER]
+    assert sum(e.nbytes for e in alive) == sum(held.values()) and len(held) > 10
+    assert not [e for e in led.entries if e.free_event is None and e.role == "optimizer_temporary"]
+
+
 def loop_peaks(mode: str, *options: str) -> list[int]:
     """Per-step peaks of ``tests.record_loop`` in a fresh process: the profiler's (``oracle``) or record's."""
     out = subprocess.run(
@@ -97,9 +136,11 @@ def loop_peaks(mode: str, *options: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("skip", [[], ["--skip", "1"]], ids=["every-step", "step-1-skipped"])
-def test_recorded_peaks_equal_the_allocators_within_a_tenth_of_a_percent(skip: list[str]) -> None:
-    oracle, traced = loop_peaks("oracle", *skip), loop_peaks("record", *skip)
+@pytest.mark.parametrize(
+    "options", [[], ["--skip", "1"], ["--checkpoint"]], ids=["every-step", "step-1-skipped", "checkpointed"]
+)
+def test_recorded_peaks_equal_the_allocators_within_a_tenth_of_a_percent(options: list[str]) -> None:
+    oracle, traced = loop_peaks("oracle", *options), loop_peaks("record", *options)
     assert len(oracle) == len(traced) == record_loop.NUM_STEPS
     for step, (o, t) in enumerate(zip(oracle, traced, strict=True)):
         assert abs(t - o) <= 0.001 * o, (step, o, t)
@@ -266,6 +307,12 @@ def test_bad_input_says_how_to_fix_it() -> None:
         opt.step()
     with pytest.raises(InputError, match=r"recorded steps: \[0\]"):
         rec.ledger(step=3)
+    with pytest.raises(InputError, match="'cuda' names none of the devices the step's arrays are on: cpu"):
+        rec.ledger(device="cuda")  # a device the step never used is no empty ledger, nor the CPU's
+    assert rec.ledger(device=torch.device("cpu")).peak() == rec.ledger().peak()
+    for bad in (5, None):
+        with pytest.raises(InputError, match="the path to save to is"):
+            rec.save(bad)  # type: ignore[arg-type]
 
 
 def test_an_error_in_the_loop_leaves_nothing_behind() -> None:

@@ -16,6 +16,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -218,8 +219,18 @@ def _named_state(
             else:
                 label = names.get(id(p), f"group{gi}.param{pi}")
             for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield value, Owner(f"optimizer.{label}.{key}", Category.OPTIMIZER, key)
+                for suffix, t in _state_tensors(value):
+                    yield t, Owner(f"optimizer.{label}.{key}{suffix}", Category.OPTIMIZER, key)
+
+
+def _state_tensors(value: Any, suffix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one optimizer state value, each with its index suffix: the value itself, or those in its
+    lists and tuples (L-BFGS keeps its history of directions and steps as lists of tensors)."""
+    if isinstance(value, torch.Tensor):
+        yield suffix, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _state_tensors(item, f"{suffix}[{i}]")
 
 
 def trained_outside(
@@ -371,11 +382,11 @@ def recovery_checkpoint(ledger: Ledger) -> RecoveryCheckpoint:
 
 
 def iter_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor the optimizer holds in its state."""
+    """Every tensor the optimizer holds in its state (in its lists too)."""
     for state in optimizer.state.values():
         for v in state.values():
-            if isinstance(v, torch.Tensor):
-                yield v
+            for _, t in _state_tensors(v):
+                yield t
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

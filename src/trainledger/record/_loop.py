@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import gc
 import json
+import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -62,7 +63,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from trainledger.checks import describe
+from trainledger.checks import describe, instance_of
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key, trained_outside
 from trainledger.ledger import Category, Entry, Ledger, Peak
@@ -82,6 +83,7 @@ from trainledger.trace import (
     fsdp_storages,
     has_sparse_gradients,
     mark_optimizer_outputs,
+    rng_states_seen,
     traced_ledger,
     with_kernel_workspace,
 )
@@ -138,6 +140,8 @@ class _Live:
     index: int
     tracer: _LoopTracer
     hooks: torch.autograd.graph.saved_tensors_hooks
+    rng_states: contextlib.AbstractContextManager[None]
+    """``rng_states_seen`` of the step: the generator states checkpointing copies, tracked."""
     start: float
     """``time.perf_counter()`` as the step opened."""
     seconds: float = 0.0
@@ -329,15 +333,19 @@ class Recording(contextlib.ContextDecorator):
         del objects  # no reference of ours outlives the step's start
         scopes.open()
         hooks = torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack)
+        # the CPU generator's state checkpointing copies is host memory: counted when the model is on the CPU
+        rng_states = rng_states_seen(tracer, enabled=all(d.type == "cpu" for d in devices))
         hooks.__enter__()
         tracer.__enter__()
-        self._live = _Live(index, tracer, hooks, time.perf_counter())
+        rng_states.__enter__()
+        self._live = _Live(index, tracer, hooks, rng_states, time.perf_counter())
 
     def _pop(self) -> _Live | None:
         live, self._live = self._live, None
         if live is None:
             return None
         live.seconds = time.perf_counter() - live.start
+        live.rng_states.__exit__(None, None, None)
         top = _get_current_dispatch_mode()
         if top is not live.tracer:
             live.tracer.stop()
@@ -436,7 +444,8 @@ class Recording(contextlib.ContextDecorator):
             step = max(self._ledgers, key=lambda k: (self._ledgers[k].peak().bytes, -k))
         if step not in self._ledgers:
             raise InputError(f"step {step!r} was not recorded; recorded steps: {list(self.steps)}")
-        return _on_device(self._ledgers[step], device or _model_device(self.model))
+        led = self._ledgers[step]
+        return _on_device(led, _model_device(self.model) if device is None else _device_of(led, device))
 
     def peak(self) -> Peak:
         """The highest peak over the recorded steps (its ``event`` is on that step's clock; see
@@ -446,7 +455,7 @@ class Recording(contextlib.ContextDecorator):
     def save(self, path: str | Path, *, step: int | None = None) -> Path:
         """Write a step's ledger (default: the one with the highest peak) as JSON that ``trainledger report``
         reads. Returns the path written."""
-        out = Path(path)
+        out = Path(instance_of(path, (str, os.PathLike), "the path to save to", "give a file name such as 'step.json'"))
         if out.is_dir():
             raise InputError(f"{str(out)!r} is a folder; give a file name such as {str(out / 'step.json')!r}")
         if out.suffix.lower() != ".json":
@@ -548,6 +557,19 @@ def _reclassified(ledger: Ledger, device: str) -> list[Entry]:
             e = dataclasses.replace(e, category=Category.ACTIVATIONS, role=role, last_use_event=e.free_event - 1)
         out.append(e)
     return out
+
+
+def _device_of(ledger: Ledger, device: Any) -> str:
+    """The device among ``ledger``'s entries that ``device`` names (``"cuda"`` names ``"cuda:0"``)."""
+    instance_of(device, (str, torch.device), "device", "give one such as 'cpu' or 'cuda:0'")
+    held = sorted({e.device for e in ledger.entries})
+    named = [d for d in held if d == str(device) or d.split(":")[0] == str(device)]
+    if len(named) != 1:
+        which = "several" if named else "none"
+        raise InputError(
+            f"device {str(device)!r} names {which} of the devices the step's arrays are on: {', '.join(held)}"
+        )
+    return named[0]
 
 
 def _on_device(ledger: Ledger, device: str) -> Ledger:

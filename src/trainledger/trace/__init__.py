@@ -21,7 +21,7 @@ import torch
 
 from trainledger.devices import Device, KernelKind, SdpaCall, sdpa_backend
 from trainledger.errors import InputError
-from trainledger.inventory import iter_state, trained_outside
+from trainledger.inventory import iter_state, iter_state_tensors, trained_outside
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._blocks import blocks_differ
 from trainledger.trace._cuda import (
@@ -85,6 +85,7 @@ __all__ = [
     "kernel_internal_bytes",
     "mark_optimizer_outputs",
     "record_forward",
+    "rng_states_seen",
     "sdpa_backend",
     "trace",
     "trace_stacked",
@@ -664,4 +665,4 @@ def _gradients_and_state(
             yield p
             if p.grad is not None:
                 yield p.grad
-            yield from (v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    yield from iter_state_tensors(optimizer)
