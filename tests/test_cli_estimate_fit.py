@@ -183,6 +183,20 @@ def test_a_config_no_model_has_is_one_line_exit_2(cli, tmp_path, text, fragment)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and not out, err
 
 
+@pytest.mark.parametrize("command", ["estimate", "fit"])
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaForTokenClassification", "LlamaModel"])
+def test_a_config_of_another_head_is_refused_not_estimated_as_a_causal_lm(cli, tmp_path, command, head):
+    """The closed form models the causal-LM head (a 128k-vocabulary projection and its logits on Llama 3): a
+    classifier's estimate was a third above its fake trace, its parameter count said exact."""
+    cfg = {**json.loads(Path(LLAMA3).read_text()), "architectures": [head]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    memory = ["--device-memory", "80GiB"] if command == "fit" else []
+    code, out, err = cli(command, "--hf-config", str(path), *memory)
+    assert code == 2 and f"architectures name {head!r}, not a causal language model" in err and not out, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_config_that_is_a_device_is_read_not_called_missing(cli):
     code, _, err = cli("estimate", "--hf-config", "/dev/null")
     assert code == 2 and "is not valid JSON" in err and "no such file" not in err

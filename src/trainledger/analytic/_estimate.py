@@ -80,8 +80,22 @@ class EstimateResult:
 
 
 def read_config(config: Any) -> dict[str, Any]:
-    """The config as a dict: a ``config.json``, a folder holding one, or the dict itself."""
-    return dict(config) if isinstance(config, dict) else load_config_file(config)
+    """The config as a dict (a ``config.json``, a folder holding one, or the dict itself) of a causal language
+    model: the step the closed form models."""
+    raw = dict(config) if isinstance(config, dict) else load_config_file(config)
+    named = raw.get("architectures")
+    classes = [n for n in named if isinstance(n, str)] if isinstance(named, list) else []
+    if classes and not any(n.endswith(_CAUSAL_LM_CLASSES) for n in classes):
+        raise InputError(
+            f"the config's architectures name {classes[0]!r}, not a causal language model: the closed form models "
+            "the causal-LM step (its head, logits and loss); trace this one (trainledger trace --hf-config PATH "
+            "--fake), or drop architectures to estimate the causal-LM model of these sizes"
+        )
+    return raw
+
+
+_CAUSAL_LM_CLASSES = ("ForCausalLM", "LMHeadModel")
+"""How transformers names the causal-LM classes of the analytic families (``GPT2LMHeadModel``)."""
 
 
 def check_setup(setup: Any) -> Setup:
