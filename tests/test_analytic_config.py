@@ -34,7 +34,7 @@ LLAMA = {
         ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
         ({"attention_dropout": 1.5}, "'attention_dropout' is 1.5; a dropout probability"),
         ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' is 'yes'"),
-        ({"hidden_act": "swishy"}, "activation 'swishy' is not modelled"),
+        ({"hidden_act": "swishy"}, "activation 'swishy' is not in the closed form"),
     ],
 )
 def test_bad_configs_name_the_bad_value(change, fragment):

@@ -155,6 +155,24 @@ def test_estimate_says_only_the_trace_covers_it(capsys):
     assert "only the trace covers it" in capsys.readouterr().err
 
 
+def test_an_activation_outside_the_closed_form_is_traced_whole_and_only_estimate_refuses(cli_json, cli, tmp_path):
+    """A Llama with tanh: transformers trains it, so trace builds it whole (not through the analytic family's
+    path, which refused the activation); the fake trace equals the real one, and only estimate refuses."""
+    cfg = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+        "hidden_act": "tanh",
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    step = ("--hf-config", str(path), "--seq-len", "16", "--micro-batch", "2", "--dtype", "fp32")
+    real, fake = cli_json("trace", *step), cli_json("trace", *step, "--fake")
+    assert real["peak"] == {**fake["peak"], "event": real["peak"]["event"]} and real["peak"]["bytes"] > 0
+    code, _, err = cli("estimate", *step)
+    assert code == 2 and "activation 'tanh' is not in the closed form" in err and "trace --hf-config" in err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fp32", "bf16"])
 def test_diffusers_fake_trace_equals_real_trace(recipe):

@@ -152,6 +152,7 @@ def test_fit_on_a_tiny_device_says_nothing_fits(cli):
         (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "8", "--lora-targets", ","], "names no linear"),
         (["estimate", "--hf-config", LLAMA7B, "--lora-rank", "4097"], "give a rank up to 4,096"),  # hidden 4096
         (["trace", "--hf-config", LLAMA7B, "--fake", "--lora-rank", "4097"], "give a rank up to 4,096"),
+        (["trace", "--hf-config", LLAMA7B, "--fake", "--optimizer", "sgd"], "give the fp32 or bf16 recipe"),
         (["estimate", "--hf-config", str(FIXTURES / "gpt2.json"), "--seq-len", "2048"], "1024 learned positions"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "lots"], "--device-memory"),
         (["fit", "--hf-config", LLAMA7B, "--device-memory", "80GiB", "--micro-batches", "a,b"], "--micro-batches"),

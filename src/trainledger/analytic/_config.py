@@ -162,6 +162,16 @@ def normalized_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def unmodelled_activation(raw: dict[str, Any]) -> str | None:
+    """The activation of a config of an analytic family when the closed form has no count for it (``None``:
+    it has, or the config is no analytic family's): transformers may still build and train the model."""
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        return None
+    act = {**DEFAULTS[family], **normalized_config(raw)}.get(_NAMING[family].act)
+    return None if act in ACTIVATIONS else str(act)
+
+
 def _size(cfg: dict[str, Any], key: str, limit: Limit = MAX_WIDTH) -> int:
     """A positive whole size, no larger than ``limit``: an implausible size is refused in one line before
     anything is built (a billion layers would exhaust memory, not answer a question)."""
@@ -266,7 +276,10 @@ def _shape(family: Family, cfg: dict[str, Any]) -> dict[str, Any]:
     num_experts, top_k = _experts(cfg) if family == "mixtral" else (0, 0)
     act = cfg.get(names.act)
     if act not in ACTIVATIONS:
-        raise InputError(f"activation {act!r} is not modelled; accepted: {', '.join(ACTIVATIONS)}")
+        raise InputError(
+            f"activation {act!r} is not in the closed form (accepted: {', '.join(ACTIVATIONS)}); "
+            "trainledger trace --hf-config PATH --fake traces this model"
+        )
     return dict(
         family=family,
         vocab_size=vocab,

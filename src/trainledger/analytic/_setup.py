@@ -81,7 +81,10 @@ class Setup:
         one_of(self.recipe, "precision recipe", RECIPES)
         one_of(self.optimizer, "optimizer", OPTIMIZERS)
         if self.recipe == "bf16-master" and self.optimizer not in ("adamw", "adam"):
-            raise InputError(f"the bf16-master recipe is modelled with adamw or adam, not {self.optimizer!r}")
+            raise InputError(
+                f"the bf16-master recipe (the default --dtype) keeps fp32 master weights beside AdamW's or Adam's "
+                f"moments; {self.optimizer!r} has no such step here: give the fp32 or bf16 recipe (--dtype fp32)"
+            )
         one_of(self.attn_impl, "attention implementation", ("eager", "sdpa"))
         one_of(self.device, "device kind", ("cuda", "cpu"))
         if self.gpu is not None:
