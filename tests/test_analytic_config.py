@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from trainledger.analytic import FAMILIES, arch_from_config, load_config_file
 from trainledger.analytic._config import DEFAULTS
@@ -43,6 +44,24 @@ def test_bad_configs_name_the_bad_value(change, fragment):
     with pytest.raises(InputError) as exc:
         arch_from_config(cfg)
     assert fragment in str(exc.value)
+
+
+def test_an_odd_rotary_width_is_refused_as_transformers_cannot_run_it():
+    """Phi turns int(head_dim × partial_rotary_factor) features; an odd count (64 × 0.4 → 25) fails inside
+    transformers' attention (its cos/sin are 26 wide), so the estimate refuses it rather than answer."""
+    import transformers
+
+    cfg = {
+        "model_type": "phi",
+        **dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2),
+        "partial_rotary_factor": 0.4,
+    }
+    with pytest.raises(InputError, match="rotary embedding is 25 wide"):
+        arch_from_config(cfg)
+    model = transformers.PhiForCausalLM(transformers.PhiConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+    assert arch_from_config({**cfg, "partial_rotary_factor": 0.5}).rotary_dim == 32
 
 
 def test_mixture_of_experts_checks_top_k():

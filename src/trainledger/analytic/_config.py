@@ -331,6 +331,12 @@ def _rotary_dim(cfg: dict[str, Any], names: _Naming, head_dim: int) -> int:
             f"the rotary embedding is {dim} wide (head_dim {rotary_head} × the rotary fraction), wider than the "
             f"{head_dim}-wide attention heads (hidden / heads); transformers cannot apply it: drop head_dim"
         )
+    if dim % 2:
+        raise InputError(
+            f"the rotary embedding is {dim} wide (head_dim {rotary_head} × the rotary fraction, rounded down): "
+            "rotary embeddings turn features in pairs, and transformers cannot apply an odd width; give a "
+            "fraction that makes it even"
+        )
     return dim
 
 
