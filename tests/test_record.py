@@ -103,6 +103,22 @@ def test_the_generator_states_checkpointing_keeps_are_recorded_and_training_is_u
     assert phases.count("forward") == phases.count("backward") == 2 * record_loop.ACCUMULATION
 
 
+def test_a_compiled_function_that_ran_eagerly_is_said_as_it_runs_and_in_the_ledger() -> None:
+    """dynamo does not run under record's dispatch mode: a compiled module record runs compiled, but a compiled
+    function (``torch.compile(fn)``, ``torch.compile(opt.step)``) ran eagerly, silently changing training."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward = torch.compile(lambda x: model(x), backend="eager")
+    with pytest.warns(UserWarning, match="a function compiled with torch.compile"), record(model, opt, steps=1) as rec:
+        for _ in range(3):
+            forward(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    notes = [n for n in rec.ledger(step=1).notes if "function compiled with torch.compile" in n]
+    assert len(notes) == 1 and notes[0].startswith("1 call(s)")
+
+
 def test_lbfgs_history_made_in_a_recorded_step_is_optimizer_state() -> None:
     """L-BFGS's lists of directions and steps, those from earlier steps and those the step appends: what is
     alive in the optimizer category as the step ends is every state tensor the optimizer holds, by hand."""

@@ -132,6 +132,9 @@ class CompiledRegions:
         self._paths = _paths(model)
         self._patched: list[tuple[Any, str, Any]] = []
         self._profiler: Any = None
+        self.eager_functions = 0
+        """Calls of compiled functions (``torch.compile(fn)``, not of a module) in the step traced now: they ran
+        eagerly under the tracer."""
 
     def __enter__(self) -> CompiledRegions:
         self.patch()
@@ -150,6 +153,21 @@ class CompiledRegions:
                 return self._call(path, functools.partial(wrapper_call, wrapper), *args, **kwargs)
 
             self._route(dynamo.OptimizedModule, "__call__", call)
+        if dynamo is not None and (id(dynamo), "_maybe_set_eval_frame") not in done:
+            set_eval_frame = dynamo._maybe_set_eval_frame
+
+            def watched(callback: Any) -> Any:
+                # a compiled function (not a module, whose calls ``_call`` runs with the tracer's mode off the
+                # stack) switching dynamo on below the tracer: dynamo skips its frames (a dispatch mode is on
+                # the stack), so they run eagerly; dynamo is left off for the call, or it would compile the
+                # tracer's own frames, which run with the mode off the stack
+                tracer = self.tracer()
+                if callback and tracer is not None and _get_current_dispatch_mode() is tracer:
+                    self.eager_functions += 1
+                    callback = None
+                return set_eval_frame(callback)
+
+            self._route(dynamo, "_maybe_set_eval_frame", watched)
         for m in self.model.modules():
             compiled = m.__dict__.get("_compiled_call_impl")
             if compiled is not None and (id(m), "_compiled_call_impl") not in done:
@@ -158,7 +176,7 @@ class CompiledRegions:
     def unrouted(self) -> list[str]:
         """Paths of the model's compiled modules whose calls are not routed (compiled after the step began, or
         with dynamo loaded since): if the step called them, they ran eagerly under the tracer."""
-        routed = {id(owner) for owner, _, _ in self._patched}
+        routed = {id(owner) for owner, attr, _ in self._patched if attr != "_maybe_set_eval_frame"}
         paths = {self._paths[id(m)] for m in self.model.modules() if id(m) in routed}
         if not any(attr == "__call__" for _, attr, _ in self._patched):  # no wrapper is routed
             return sorted(set(compiled_modules(self.model)) - paths)
@@ -193,6 +211,7 @@ class CompiledRegions:
         """The regions of the step that ends now, measured (and how many could not be); starts the next."""
         prof, self._profiler = self._profiler, None
         regions, self.regions = self.regions, []
+        self.eager_functions = 0
         if prof is not None:
             prof.__exit__(None, None, None)
             peaks = window_peaks(prof, _WINDOW)
@@ -335,6 +354,18 @@ def eager_note(paths: list[str]) -> tuple[str, ...]:
         f"modules compiled during this step ({', '.join(paths)}), after record last looked, ran eagerly in it "
         "(dynamo does not run under a tracing dispatch mode): the ledger is their eager step's, and with inductor "
         "this step computed other numbers than it would have; compile before record(...) to keep them compiled",
+    )
+
+
+def eager_functions_note(calls: int) -> tuple[str, ...]:
+    """The note of a step in which functions compiled with ``torch.compile`` ran eagerly (none if none did)."""
+    if not calls:
+        return ()
+    return (
+        f"{calls} call(s) of a function compiled with torch.compile (not a module) ran eagerly in this step: record "
+        "runs a compiled module compiled (torch.compile(model)) but dynamo does not run under its dispatch mode, so "
+        "these calls computed eager's numbers (other kernels and random numbers) and training from this step on "
+        "differs from the loop without record; compile the module, or record other steps",
     )
 
 

@@ -54,6 +54,7 @@ import gc
 import json
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -72,6 +73,7 @@ from trainledger.record._compiled import (
     compiled_modules,
     compiled_note,
     dynamo_skipped,
+    eager_functions_note,
     eager_note,
     optimized_module_type,
 )
@@ -383,8 +385,11 @@ class Recording(contextlib.ContextDecorator):
         for opt in self.optimizers:
             mark_optimizer_outputs(tracer, self.model, opt, parameters=parameters)
         tracer.stop()
+        eager_calls = self._regions.eager_functions
         regions, unmeasured = self._regions.take()
         eager = self._regions.unrouted()
+        if eager_calls:  # training changed: said as it runs, not only in the ledger read afterwards
+            warnings.warn(eager_functions_note(eager_calls)[0], stacklevel=2)
         if not tracer.num_events:
             return
         ledger = traced_ledger(
@@ -396,6 +401,7 @@ class Recording(contextlib.ContextDecorator):
             notes=(
                 *compiled_note(self._compiled, unmeasured),
                 *eager_note(eager),
+                *eager_functions_note(eager_calls),
                 *((SKIPPED_NOTE,) if live.skipped else ()),
             ),
             meta={"step": live.index, "recorded": True, **({"skipped": True} if live.skipped else {}), **_rank()},
