@@ -176,7 +176,7 @@ class CompiledRegions:
     def unrouted(self) -> list[str]:
         """Paths of the model's compiled modules whose calls are not routed (compiled after the step began, or
         with dynamo loaded since): if the step called them, they ran eagerly under the tracer."""
-        routed = {id(owner) for owner, attr, _ in self._patched if attr != "_maybe_set_eval_frame"}
+        routed = {id(owner) for owner, _, _ in self._patched}
         paths = {self._paths[id(m)] for m in self.model.modules() if id(m) in routed}
         if not any(attr == "__call__" for _, attr, _ in self._patched):  # no wrapper is routed
             return sorted(set(compiled_modules(self.model)) - paths)
@@ -207,18 +207,19 @@ class CompiledRegions:
             self._profiler.__enter__()
         return self._profiler is not None
 
-    def take(self) -> tuple[list[Region], int]:
-        """The regions of the step that ends now, measured (and how many could not be); starts the next."""
+    def take(self) -> tuple[list[Region], int, int]:
+        """The regions of the step that ends now, measured, how many could not be, and how many compiled
+        functions ran eagerly in it; starts the next."""
         prof, self._profiler = self._profiler, None
         regions, self.regions = self.regions, []
-        self.eager_functions = 0
+        eager_functions, self.eager_functions = self.eager_functions, 0
         if prof is not None:
             prof.__exit__(None, None, None)
             peaks = window_peaks(prof, _WINDOW)
             prof.profiler = None  # its results now, not in a later garbage collection (which crashed)
             warnings.filters[:] = [f for f in warnings.filters if getattr(f[1], "pattern", None) != _UNKNOWN_BLOCK]
             regions = [dataclasses.replace(r, peak_bytes=peaks.get(r.window)) if r.window else r for r in regions]
-        return regions, sum(1 for r in regions if r.peak_bytes is None)
+        return regions, sum(1 for r in regions if r.peak_bytes is None), eager_functions
 
     @contextlib.contextmanager
     def _measured(self, device: torch.device) -> Iterator[Callable[[], int | str | None]]:

@@ -385,8 +385,7 @@ class Recording(contextlib.ContextDecorator):
         for opt in self.optimizers:
             mark_optimizer_outputs(tracer, self.model, opt, parameters=parameters)
         tracer.stop()
-        eager_calls = self._regions.eager_functions
-        regions, unmeasured = self._regions.take()
+        regions, unmeasured, eager_calls = self._regions.take()
         eager = self._regions.unrouted()
         if eager_calls:  # training changed: said as it runs, not only in the ledger read afterwards
             warnings.warn(eager_functions_note(eager_calls)[0], stacklevel=2)
@@ -451,7 +450,7 @@ class Recording(contextlib.ContextDecorator):
         if step not in self._ledgers:
             raise InputError(f"step {step!r} was not recorded; recorded steps: {list(self.steps)}")
         led = self._ledgers[step]
-        return _on_device(led, _model_device(self.model) if device is None else _device_of(led, device))
+        return _on_device(led, _model_device(self.model) if device is None else _named_device(led, device))
 
     def peak(self) -> Peak:
         """The highest peak over the recorded steps (its ``event`` is on that step's clock; see
@@ -565,7 +564,7 @@ def _reclassified(ledger: Ledger, device: str) -> list[Entry]:
     return out
 
 
-def _device_of(ledger: Ledger, device: Any) -> str:
+def _named_device(ledger: Ledger, device: Any) -> str:
     """The device among ``ledger``'s entries that ``device`` names (``"cuda"`` names ``"cuda:0"``)."""
     instance_of(device, (str, torch.device), "device", "give one such as 'cpu' or 'cuda:0'")
     held = sorted({e.device for e in ledger.entries})
