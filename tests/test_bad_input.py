@@ -195,6 +195,9 @@ CASES = st.one_of(
     st.sampled_from(["lots", "-3%", "0%", "1e30", "1e19", "12XB", "%", "0"]).map(
         lambda b: case(["plan", "--model", "mlp", f"--budget={b}"], b)
     ),
+    # a value that starts with a dash, given after a space: the value's own message, not argparse's
+    st.sampled_from(["-3%", "-5", "-.5", "-1GB"]).map(lambda b: case(["plan", "--model", "mlp", "--budget", b], b)),
+    st.sampled_from(["-2", "-0.5"]).map(lambda n: case(["shard", "--params", "1e9", "--world", n], n)),
     WORD.filter(lambda t: t not in SOLVERS).map(
         lambda t: case(["plan", "--model", "mlp", "--budget", "50%", f"--solver={t}"], t)
     ),
@@ -568,3 +571,11 @@ def test_the_policy_file_never_overwrites_a_module_the_model_imported(cli, tmp_p
     )
     assert code == 2 and out == "" and "module 'my_blocks', which the model imported" in err, err
     assert target.read_bytes() == before
+
+
+@pytest.mark.parametrize("value", ["-5%", "-.5", "-1GB"])
+def test_a_value_starting_with_a_dash_after_a_space_gets_the_values_own_message(cli, value):
+    code, _out, err = cli("plan", "--model", "mlp", "--budget", value)
+    assert code == 2
+    assert "expected one argument" not in err
+    assert f"'{value}'" in err and "must be positive" in err.replace("a positive", "positive"), err

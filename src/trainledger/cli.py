@@ -51,6 +51,29 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 _CONFIG_ONLY = ("estimate", "fit")  # commands that read a Hugging Face config, never a model
 
+_LOOKS_NUMERIC = re.compile(r"-[\d.]")
+
+
+def _dash_values_joined(parser: argparse.ArgumentParser, given: list[str]) -> list[str]:
+    """``--budget -5%`` as ``--budget=-5%``: argparse takes a value that starts with a dash for an option unless
+    it is a plain negative number, and says the option "expected one argument", not what is wrong with the
+    value. Joined, the option's own check says that (a budget must be positive)."""
+    command = _subparsers(parser).get(given[0]) if given else None
+    if command is None:
+        return given
+    takes_value = {o for a in command._actions if a.nargs is None and a.option_strings for o in a.option_strings}
+    joined: list[str] = []
+    i = 0
+    while i < len(given):
+        arg = given[i]
+        if arg in takes_value and i + 1 < len(given) and _LOOKS_NUMERIC.match(given[i + 1]):
+            joined.append(f"{arg}={given[i + 1]}")
+            i += 2
+            continue
+        joined.append(arg)
+        i += 1
+    return joined
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -60,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{given[0]} works from a Hugging Face config (--hf-config PATH), not from a model; for your own "
             "model use trace, plan or shard with --model"
         )
-    args, extra = parser.parse_known_args(given)
+    args, extra = parser.parse_known_args(_dash_values_joined(parser, given))
     if extra:  # said by the subcommand's parser, so the message names the command
         command = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
         command.error(f"unrecognized arguments: {' '.join(extra)}")
