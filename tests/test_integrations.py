@@ -47,18 +47,14 @@ def _quiet_trainer(pl: Any, root: Path, callback: Any, **schedule: int) -> Any:
     )
 
 
-def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'trainledger[hf]'")
-    pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install 'trainledger[hf]'")
-    from trainledger.integrations.hf import TrainledgerCallback
+def _hf_run(tmp_path: Path, model: Any, callback: Any, folder: str = "") -> None:
+    """Three optimizer steps of two accumulated micro-batches of a tiny causal LM under ``Trainer``."""
+    import transformers
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
-    model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 64, (8, 12))
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+        output_dir=str(tmp_path / folder),
         max_steps=3,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -68,11 +64,88 @@ def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
         logging_strategy="no",
         disable_tqdm=True,
     )
-    callback = TrainledgerCallback(step=1)
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+
+
+def _tiny_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'trainledger[hf]'")
+    pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install 'trainledger[hf]'")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
+    model = _tiny_gpt2()
+    from trainledger.integrations.hf import TrainledgerCallback
+
+    callback = TrainledgerCallback(step=1)
+    _hf_run(tmp_path, model, callback)
     assert callback.written is not None
     assert callback.written.ledger == tmp_path / "trainledger" / "step-1" / "rank-0.json"
     check_written(callback.written.ledger, callback.written.html, micro_batches=2)
+
+
+class _Raised(RuntimeError):
+    pass
+
+
+def test_hf_trainer_callback_leaves_nothing_running_when_training_raises(tmp_path: Path) -> None:
+    """A Trainer has no hook for an error. One raised in the recorded step's forward ends the recording there
+    (its dispatch mode would trace every later op of the process); one raised elsewhere (backward) is left
+    until the next run begins: the same callback's next ``train()``, or another callback's recording, which
+    says so. Either way the next run records its step."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from trainledger.integrations.hf import TrainledgerCallback
+
+    model = _tiny_gpt2()
+    calls = 0
+
+    def raise_in_forward(_module: nn.Module, _args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the recorded step's first micro-batch
+            raise _Raised("forward")
+
+    hook = model.transformer.h[0].register_forward_pre_hook(raise_in_forward)
+    callback = TrainledgerCallback(step=1)
+    with pytest.raises(_Raised, match="forward"):
+        _hf_run(tmp_path, model, callback, "a")
+    hook.remove()
+    assert _get_current_dispatch_mode() is None and not model._forward_pre_hooks and not model._forward_hooks
+    assert callback.written is None
+
+    def raise_in_backward(grad: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the recorded step's first micro-batch
+            raise _Raised("backward")
+
+    def in_backward(_module: nn.Module, _args: Any, out: torch.Tensor) -> None:
+        out.register_hook(raise_in_backward)
+
+    calls = 0
+    hook = model.transformer.wte.register_forward_hook(in_backward)
+    with pytest.raises(_Raised, match="backward"):
+        _hf_run(tmp_path, model, callback, "b")  # the same callback's next run: step 1 again
+    hook.remove()
+    assert _get_current_dispatch_mode() is not None  # in the tracer of the step that raised, until a run begins
+    _hf_run(tmp_path, model, callback, "c")  # the same callback, once more: its step is recorded
+    assert _get_current_dispatch_mode() is None
+    assert callback.written is not None and callback.written.ledger.parent.parent.parent.name == "c"
+
+    calls = 0
+    hook = model.transformer.wte.register_forward_hook(in_backward)
+    with pytest.raises(_Raised, match="backward"):
+        _hf_run(tmp_path, model, TrainledgerCallback(step=1), "d")
+    hook.remove()
+    other = TrainledgerCallback(step=1)
+    with pytest.warns(UserWarning, match="left open by an earlier training run"):
+        _hf_run(tmp_path, model, other, "e")
+    assert _get_current_dispatch_mode() is None
+    assert other.written is not None
+    check_written(other.written.ledger, other.written.html, micro_batches=2)
 
 
 def test_lightning_callback_leaves_record_when_training_raises(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class StepRecorder:
         self.html = html
         self.written: Written | None = None
         self._rec: Recording | None = None
+        self._raised_hook: Any = None  # on the model while recording: a forward that raised ends the recording
         self._began_at = -1  # the global step count the recorded batch began at
         self._last_seen = -1
 
@@ -54,9 +56,20 @@ class StepRecorder:
         self._last_seen = global_step
         if global_step < self.step or self._rec is not None or self.written is not None:
             return
+        _leave_abandoned(self)
         self._began_at = global_step
-        self._rec = record(_unwrap_model(model), *(_unwrap_optimizer(o) for o in optimizers), steps=0)
+        model = _unwrap_model(model)
+        self._rec = record(model, *(_unwrap_optimizer(o) for o in optimizers), steps=0)
         self._rec.__enter__()
+        _OPEN.append(self)
+        self._raised_hook = model.register_forward_hook(self._forward_ended, always_call=True)
+
+    def _forward_ended(self, _model: nn.Module, _args: Any, output: Any) -> None:
+        """After every forward of the model while recording, and after one that raised (``always_call``):
+        then the training loop is unwinding, and nothing of the recording may outlive it (its dispatch mode
+        would go on tracing every op of the process, a notebook's included)."""
+        if output is None and sys.exc_info()[1] is not None:
+            self.stop(discard=True)
 
     def end(self, output_dir: str | Path) -> Written | None:
         rec = self._rec
@@ -72,12 +85,21 @@ class StepRecorder:
 
     def stop(self, *, discard: bool = False) -> None:
         """Leave ``record`` if it is running (at the end of training, whatever happened); with ``discard``,
-        as a loop that raised does: the step open now is not recorded."""
-        if self._rec is not None and self._rec.running:
+        as a loop that raised does: the step open now is not recorded, and a later step may be (a run that
+        goes on after the error, as ``auto_find_batch_size`` does after running out of memory)."""
+        if self._raised_hook is not None:
+            self._raised_hook.remove()
+            self._raised_hook = None
+        if self in _OPEN:
+            _OPEN.remove(self)
+        rec = self._rec
+        if rec is not None and rec.running:
             if discard:
-                self._rec.__exit__(RuntimeError, RuntimeError("training raised"), None)
+                rec.__exit__(RuntimeError, RuntimeError("training raised"), None)
             else:
-                self._rec.__exit__(None, None, None)
+                rec.__exit__(None, None, None)
+        if discard and self.written is None:
+            self._rec = None
 
     def finish(self) -> None:
         """At the end of training: leave ``record``, and say so when the step was never written."""
@@ -91,6 +113,23 @@ class StepRecorder:
                 "ask for an earlier step",
                 stacklevel=2,
             )
+
+
+_OPEN: list[StepRecorder] = []
+"""Recorders whose recording is running: one at a time (``record`` refuses a second)."""
+
+
+def _leave_abandoned(starting: StepRecorder) -> None:
+    """Discard what a run that raised outside the model's forward left running (in backward, in the optimizer
+    step, in a callback), before ``starting`` records: no hook of a Trainer sees such an error, and the next
+    run's recording would be refused."""
+    for other in [r for r in _OPEN if r is not starting]:
+        warnings.warn(
+            "trainledger: a step recording left open by an earlier training run (it raised before the step ended) "
+            "was discarded",
+            stacklevel=3,
+        )
+        other.stop(discard=True)
 
 
 _WRAPPERS = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"})

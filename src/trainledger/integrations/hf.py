@@ -43,6 +43,10 @@ class TrainledgerCallback(TrainerCallback):  # type: ignore[misc]
         """Where the step was written, once it was."""
         return self.recorder.written
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # a Trainer has no hook for an error: what an earlier ``train()`` that raised left open ends here
+        self.recorder.stop(discard=True)
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is not None and optimizer is not None:
