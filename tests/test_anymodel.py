@@ -524,3 +524,29 @@ def test_a_small_bigbird_keeps_its_block_sparse_attention():
     small, _ = small_instance(cfg)
     threshold = (5 + 2 * small.raw["num_random_blocks"]) * small.raw["block_size"]
     assert small.raw["attention_type"] == "block_sparse" and threshold < 32 and 32 % small.raw["block_size"] == 0
+
+
+def test_an_architecture_without_sdpa_says_it_is_built_with_eager_attention(cli, tmp_path):
+    """Bloom has no SDPA path in transformers, so it is built with its eager attention, which saves every
+    layer's attention probabilities: the trace says so instead of answering for another model than asked."""
+    tiny = dict(vocab_size=64, hidden_size=32, num_attention_heads=4)
+    configs = {
+        "bloom": {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "n_layer": 2, **tiny},
+        "llama": {
+            **{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, **tiny},
+            "intermediate_size": 64,
+            "hidden_act": "tanh",  # outside the analytic family's closed form: built whole, as Bloom is
+        },
+    }
+    said = {}
+    for name, cfg in configs.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        code, _, err = cli("trace", "--hf-config", str(path), "--seq-len", "8", "--micro-batch", "1", "--fake")
+        assert code == 0, err
+        said[name] = [line for line in err.splitlines() if "attention in transformers" in line]
+    assert said["bloom"] == [
+        "note: BloomForCausalLM has no sdpa attention in transformers: it is built with eager and saves each "
+        "layer's attention probabilities (micro-batch × heads × seq²)"
+    ]
+    assert said["llama"] == []

@@ -142,9 +142,23 @@ def any_workload(
         raise InputError(f"--seq-len applies to sequences; {article} {cfg.task} model reads --image-size: drop it")
     if "seq_len" not in given:
         step.seq_len = default_seq_len(cfg, step.seq_len)
-    for note in cfg.notes:
+    setup = setup_from(step)
+    workload = workload_from_any_config(cfg, setup, image_size=args.image_size, fake=fake)
+    for note in (*cfg.notes, *_attention_note(workload, setup.attn_impl)):
         Console(stderr=True).print(f"note: {note}", highlight=False, soft_wrap=True)
-    return workload_from_any_config(cfg, setup_from(step), image_size=args.image_size, fake=fake)
+    return workload
+
+
+def _attention_note(workload: Workload, asked: str) -> tuple[str, ...]:
+    """What to say when the model was built with another attention than asked for (an architecture that has
+    no SDPA path in transformers, Bloom's, is built with its eager attention)."""
+    config = getattr(workload.model, "config", None)
+    built = getattr(config, "_attn_implementation", None)
+    if not isinstance(built, str) or built == asked:
+        return ()
+    saves = " and saves each layer's attention probabilities (micro-batch × heads × seq²)" if built == "eager" else ""
+    name = type(workload.model).__name__
+    return (f"{name} has no {asked} attention in transformers: it is built with {built}{saves}",)
 
 
 def vision_workload(
