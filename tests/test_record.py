@@ -513,3 +513,33 @@ def test_a_validation_loss_outside_no_grad_is_freed_each_step() -> None:
     del rec
     gc.collect()
     assert sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)) == before
+
+
+def test_what_the_loop_prepares_before_each_micro_batch_is_the_steps_input() -> None:
+    """Targets the loss reads and a mask, made by the loop before each micro-batch's forward, are the step's
+    inputs (role ``loop_input``): they were workspace of ``zero_grad`` before the first micro-batch and of the
+    optimizer before the second. A temporary the loop frees before forward (clipping's) stays workspace."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data, labels = torch.randn(40, 6), torch.randint(0, 3, (40,))
+    with record(model, opt, steps=1) as rec:
+        for step in range(2):
+            for micro in range(2):
+                rows = slice(20 * step + 10 * micro, 20 * step + 10 * (micro + 1))
+                x, y = data[rows].clone(), labels[rows].clone()
+                keep = (y >= 0).to(torch.float32)  # a mask: 10 floats
+                loss = (nn.functional.cross_entropy(model(x), y, reduction="none") * keep).mean()
+                loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    led = rec.ledger(step=1)
+    prepared = [e for e in led.entries if e.role == "loop_input"]
+    assert sorted(e.nbytes for e in prepared) == [40, 40, 80, 80]  # a mask and int64 targets per micro-batch
+    assert {e.category for e in prepared} == {Category.INPUTS}
+    assert [e.nbytes for e in led.entries if e.role == "batch"] == [240, 240]
+    forward = [ev.index for ev in led.events if ev.phase == "forward"]
+    assert all(e.alloc_event < forward[-1] for e in prepared)
+    clipping = [e for e in led.entries if e.category == Category.WORKSPACE and e.role == "optimizer_temporary"]
+    assert clipping and all(e.free_event is not None for e in clipping)

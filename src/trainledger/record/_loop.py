@@ -103,6 +103,7 @@ class _LoopTracer(StepTracer):
         self.phase = "zero_grad"
         self.after = ""  # the last of forward / backward / optimizer this step has seen
         self.in_optimizer = False
+        self.optimizer_ended = 0  # the number of events when an optimizer's step last returned
         self.closure_forward = False  # the model ran inside optimizer.step(closure) (Lightning's automatic loop)
         self.passthrough = False  # a compiled backward runs: its ops are not the step's to see one by one
         self.saved_in_region: list[torch.Tensor] | None = None  # saved by a compiled call, not yet tracked
@@ -120,6 +121,21 @@ class _LoopTracer(StepTracer):
         else:  # between modules: the loss after forward; unscale_ and clipping after backward
             self.phase = _OUTSIDE.get(self.after, "zero_grad")
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def mark_prepared(self) -> None:
+        """As the model is called: name each storage the loop made since the last op that ran in forward (a
+        module's, or the loss's) or in backward, and still holds, as the step's input (role ``loop_input``).
+        Between those ops runs only the loop's own code: loading the next micro-batch, ``zero_grad``; not what
+        an optimizer's step makes between the calls its closure makes (L-BFGS's history)."""
+        if self.in_optimizer:
+            return
+        ops = self.ops
+        began = len(ops)
+        while began > self.optimizer_ended and ops[began - 1][0] not in ("forward", "backward"):
+            began -= 1
+        for rec in self.storages.values():
+            if rec.category is None and rec.alloc_event is not None and rec.alloc_event >= began:
+                rec.category, rec.role = Category.INPUTS, "loop_input"
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.saved_in_region is not None and t.layout is torch.strided and storage_key(t) not in self.storages:
@@ -261,10 +277,14 @@ class Recording(contextlib.ContextDecorator):
     # --- hooks ----------------------------------------------------------------------------------
 
     def _before_forward(self, _model: nn.Module, args: Any, kwargs: Any) -> None:
-        """The model's inputs, made during the step (the batch moved to the device): inputs, not workspace."""
+        """The model's inputs, made during the step (the batch moved to the device): inputs, not workspace; and
+        what the loop made since the last op of a module, of backward or of the loss and still holds as the
+        model is called (the loss's targets, a mask, a diffusion step's noise): the step's inputs too."""
         if self._live is not None:
+            tracer = self._live.tracer
             for i, t in enumerate(iter_tensors((args, kwargs))):
-                self._live.tracer.mark(t, Category.INPUTS, "batch", f"batch[{i}]")
+                tracer.mark(t, Category.INPUTS, "batch", f"batch[{i}]")
+            tracer.mark_prepared()
 
     def _before_optimizer(self, opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         live = self._live
@@ -284,6 +304,7 @@ class Recording(contextlib.ContextDecorator):
         self._returned.add(id(opt))
         if self._live is not None:
             self._live.tracer.in_optimizer = False
+            self._live.tracer.optimizer_ended = self._live.tracer.num_events
             self._live.tracer.after = "optimizer"
         self._done(opt)
 
