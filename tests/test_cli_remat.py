@@ -89,6 +89,61 @@ def test_a_model_without_candidates_says_why(cli):
     assert "no region worth recomputing" in err and len(err.strip().splitlines()) == 1
 
 
+CHECKPOINTED = """
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from trainledger import Workload
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 3 * width), nn.SiLU(), nn.Linear(3 * width, width))
+
+    def forward(self, x):
+        return x + checkpoint(self.mlp, x, use_reentrant={reentrant})
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(24, 24)  # a reentrant checkpoint needs an input that requires grad
+        self.layers = nn.ModuleList(Block(24) for _ in range(5))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def make():
+    torch.manual_seed(0)
+    return Workload(Stack(), torch.randn(12, 24))
+"""
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_that_checkpoints_its_own_blocks_is_told_so_not_to_group_layers(cli, tmp_path, reentrant):
+    """Every block recomputes itself already, so no region is left; the message says that (the trace's
+    ``recomputed_modules``, in the model's order), not to group layers into blocks, which it has."""
+    from trainledger.sources import load_workload
+    from trainledger.trace import trace
+
+    (tmp_path / "stack.py").write_text(CHECKPOINTED.format(reentrant=reentrant))
+    model = f"{tmp_path / 'stack.py'}:make"
+    assert trace(load_workload(model)).meta["recomputed_modules"] == [f"layers.{i}.mlp" for i in range(5)]
+    for argv in (("plan", "--model", model, "--budget", "50%"), ("pareto", "--model", model)):
+        code, _out, err = cli(*argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "already recomputes 5 modules in backward (layers.0.mlp, layers.1.mlp, layers.2.mlp and 2 more" in err
+        assert "group layers" not in err
+    from trainledger.examples import gpt_tiny
+
+    assert "recomputed_modules" not in trace(gpt_tiny()).meta
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [

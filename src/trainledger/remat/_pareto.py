@@ -22,7 +22,7 @@ from trainledger.remat._baselines import Baseline
 from trainledger.remat._candidates import COSTS, CostKind, replay
 from trainledger.remat._full import InfeasibleReserved, RankPlanner, Sharding, solve_per_rank, solve_reserved
 from trainledger.remat._plan import Plan
-from trainledger.remat._planner import NO_REGION, Planner
+from trainledger.remat._planner import Planner, no_region_why
 from trainledger.remat._reserved import BUDGET_ON, BudgetOn, ReservedFit, reserved_of
 from trainledger.remat._solvers import NoPlan, Solution, solve, solve_greedy, solve_milp, sqrt_n_choice
 from trainledger.remat._verify import verify as run_verify
@@ -293,7 +293,7 @@ def pareto(
         raise InputError("pareto on fake tensors cannot verify each plan; verify one with plan --fake --verify")
     planner = Planner.build(workload, cost=cost, fake=fake, kernel_kind=kernel_kind, cuda_device=cuda_device)
     if not planner.candidates.candidates:  # the solvers' models would have no variable
-        raise InputError(f"{NO_REGION}: its front is the plain peak alone; group layers into block modules")
+        raise InputError(f"its front is the plain peak alone: {no_region_why(planner.candidates.plain)}")
     sharding = sharding or Sharding()
     if allocator is None and budget_on == "reserved":
         allocator = AllocatorConfig()

@@ -46,6 +46,20 @@ NO_REGION = (
 """Why a model has no plan but its plain step: said by ``plan`` below its plain peak, and by ``pareto``."""
 
 
+def no_region_why(plain: Ledger) -> str:
+    """Why ``plain``'s model has no region to recompute, and what would give it one: a model that checkpoints
+    its own modules already saves only what its checkpoints keep."""
+    own = plain.meta.get("recomputed_modules")
+    if not own:
+        return f"{NO_REGION}; group layers into block modules"
+    shown = ", ".join(own[:3]) + (f" and {len(own) - 3} more" if len(own) > 3 else "")
+    return (
+        f"this model already recomputes {counted(len(own), 'module')} in backward ({shown}: its own activation "
+        "checkpointing), and no other region is worth recomputing; take its own checkpointing out to let plan "
+        "choose what to recompute"
+    )
+
+
 class InfeasibleBudget(InputError):
     """No plan keeps the peak within the budget. Carries the floor and the best (lowest-peak) plan."""
 
@@ -187,7 +201,7 @@ class Planner:
             if not self.candidates.candidates:
                 raise InfeasibleBudget(
                     f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, and "
-                    f"{NO_REGION}; group layers into block modules, or raise the budget",
+                    f"{no_region_why(self.candidates.plain)}, or raise the budget",
                     budget_bytes=budget_bytes,
                     floor_bytes=self.floor_bytes,
                     best=best,

@@ -612,6 +612,7 @@ def traced_ledger(
             **({"frees_on_other_threads": len(tracer.frees_elsewhere)} if tracer.frees_elsewhere else {}),
             **({"frees_while_settling": len(tracer.frees_settled)} if tracer.frees_settled else {}),
             **({"freed_after_backward": after_backward} if (after_backward := _held_through_backward(tracer)) else {}),
+            **({"recomputed_modules": tracer.scopes.recomputed_modules()} if tracer.scopes.recomputed else {}),
             **(meta or {}),
         },
     )

@@ -93,6 +93,8 @@ class ModuleScopes:
                     self.param_owner.setdefault(id(p), path)
         self.stack: list[str] = []
         self.calls: list[_Call] = []
+        self.recomputed: dict[str, None] = {}
+        """The outermost modules called while backward ran (the model's own activation checkpointing)."""
         self._call_stack: list[int] = []
         self.scope: tuple[str, int] = ("", NO_CALL)
         """The module path and call running now, kept as each call starts and returns: read for every op of
@@ -155,6 +157,8 @@ class ModuleScopes:
         else:
             self._boundaries.append(None)
         if backward:
+            if name not in self.recomputed and not any(path in self.recomputed for path in self.stack[:-1]):
+                self.recomputed[name] = None
             self._call_stack.append(NO_CALL)
             self.scope = (name, NO_CALL)
             return
@@ -192,6 +196,11 @@ class ModuleScopes:
         if _next_sequence_nr is not None:
             self._numbers.append(_next_sequence_nr())
             self._owners.append(("", NO_CALL))
+
+    def recomputed_modules(self) -> list[str]:
+        """:attr:`recomputed`, in the order of the model's modules."""
+        order = {name: i for i, name in enumerate(self.names.values())}
+        return sorted(self.recomputed, key=lambda name: order.get(name, len(order)))
 
     def forward_scope(self) -> tuple[str, int]:
         """The module path and call running now (``current`` and ``current_call`` in one call)."""

@@ -477,6 +477,7 @@ def extend(
     layout = _Layout(base, stack, base_depth, depth)
     events = tuple(layout.events)
     params = layout.expand_runs(base.meta.get("parameter_order", []), stack.block_of)
+    recomputed = layout.expand_runs(base.meta.get("recomputed_modules", []), stack.block_of)
     held = {(name, event) for name, event in base.meta.get("freed_after_backward", ())}
     meta = {
         **base.meta,
@@ -484,6 +485,11 @@ def extend(
         **(
             {"parameter_order": [layout.rename(p, home) for p, home in params]}
             if "parameter_order" in base.meta
+            else {}
+        ),
+        **(
+            {"recomputed_modules": [layout.rename(m, home) for m, home in recomputed]}
+            if "recomputed_modules" in base.meta
             else {}
         ),
         **(
