@@ -257,3 +257,47 @@ def test_a_plan_and_its_exported_policy_do_not_stack_and_a_failed_apply_wraps_no
         exported.apply(other)
     assert not any(k.startswith("_remat_policy") for m in other.modules() for k in m.__dict__)
     assert not other._forward_pre_hooks
+
+
+def test_a_region_given_one_tensor_as_several_arguments_recomputes_under_saved_tensor_hooks(tmp_path):
+    """Self-attention's ``attn(h, h, h)``: under saved-tensor hooks (offloading to the host here) each saved
+    input comes back as a tensor of its own, and ``nn.MultiheadAttention`` would take another path when
+    recomputed (``CheckpointError``). The exported file passes each tensor once, as ``Plan.apply`` does:
+    the gradients of both equal the plain step's, bitwise."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+            self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(12), Block(12))
+    x = torch.randn(3, 7, 12)
+    plan = remat.Plan(
+        regions=(remat.Region("0.attn"), remat.Region("1")), fingerprint=remat.structure_fingerprint(model)
+    )
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+
+    def grads() -> list[torch.Tensor]:
+        with torch.autograd.graph.save_on_cpu():
+            model(x).square().mean().backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    plain = grads()
+    for runner in (load(path), plan):
+        runner.apply(model)
+        try:
+            assert all(torch.equal(a, b) for a, b in zip(grads(), plain, strict=True))
+        finally:
+            runner.remove(model)

@@ -31,7 +31,13 @@ from trainledger.checks import describe, one_of, unreadable_json, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.remat._policy_file import _STATE as POLICY_STATE
-from trainledger.remat._policy_file import PLAN_STATE, cache_back, cache_off, on_a_copy_when_recomputed
+from trainledger.remat._policy_file import (
+    PLAN_STATE,
+    cache_back,
+    cache_off,
+    each_tensor_once,
+    on_a_copy_when_recomputed,
+)
 
 PLAN_SCHEMA = "trainledger.remat-plan/1"
 
@@ -516,32 +522,6 @@ _NO_COPY = (
 )
 
 
-def _each_tensor_once(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]] | None:
-    """A call passing one tensor as several arguments (self-attention's ``attn(x, x, x)``), as one that passes
-    each tensor once, positionally, and rebuilds the arguments inside; ``None`` when no tensor repeats.
-
-    Checkpointing saves its inputs for backward, and under saved-tensor hooks (a tracer's, the user's
-    offloading) each comes back as a tensor object of its own: ``query is key`` no longer holds when the region
-    is recomputed, and ``nn.MultiheadAttention`` takes its separate-projections path, which saves other
-    tensors than its forward did (``CheckpointError``).
-    """
-    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    unique = list({id(t): t for t in tensors}.values())
-    if len(unique) == len(tensors):
-        return None
-    slot = {id(t): j for j, t in enumerate(unique)}
-    positional = [(slot[id(a)], None) if isinstance(a, torch.Tensor) else (None, a) for a in args]
-    named = {k: (slot[id(v)], None) if isinstance(v, torch.Tensor) else (None, v) for k, v in kwargs.items()}
-
-    def rebuilt(*given: torch.Tensor) -> Any:
-        pick = lambda j, value: value if j is None else given[j]  # noqa: E731
-        return fn(*(pick(j, a) for j, a in positional), **{k: pick(j, v) for k, (j, v) in named.items()})
-
-    return rebuilt, tuple(unique)
-
-
 def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrapped:
     from torch.utils.checkpoint import checkpoint
 
@@ -565,7 +545,7 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         fn = on_a_copy_when_recomputed(model, region.restore, inner) if region.restore else inner
         context_fn = _context_fn(region.policy)
         extra = {} if context_fn is None else {"context_fn": context_fn, **_sac_hooks_argument()}
-        once = _each_tensor_once(fn, args, kwargs)
+        once = each_tensor_once(fn, args, kwargs)
         if once is not None:
             (fn, args), kwargs = once, {}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -176,11 +177,40 @@ def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple])
         _path, policy, _call, _num_calls, restore = region
         fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
         extra = {} if policy == "full" else {"context_fn": functools.partial(context_fn, policy), **_SAC_EXTRA}
+        once = each_tensor_once(fn, args, kwargs)
+        if once is not None:
+            (fn, args), kwargs = once, {}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     module.__dict__[_STATE] = state
     module.__dict__["forward"] = forward
     return state
+
+
+def each_tensor_once(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]] | None:
+    """A call passing one tensor as several arguments (self-attention's ``attn(x, x, x)``), as one that passes
+    each tensor once, positionally, and rebuilds the arguments inside; ``None`` when no tensor repeats.
+
+    Checkpointing saves its inputs for backward, and under saved-tensor hooks (a tracer's, the user's
+    offloading) each comes back as a tensor object of its own: ``query is key`` no longer holds when the region
+    is recomputed, and ``nn.MultiheadAttention`` takes its separate-projections path, which saves other
+    tensors than its forward did (``CheckpointError``).
+    """
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    unique = list({id(t): t for t in tensors}.values())
+    if len(unique) == len(tensors):
+        return None
+    slot = {id(t): j for j, t in enumerate(unique)}
+    positional = [(slot[id(a)], None) if isinstance(a, torch.Tensor) else (None, a) for a in args]
+    named = {k: (slot[id(v)], None) if isinstance(v, torch.Tensor) else (None, v) for k, v in kwargs.items()}
+
+    def rebuilt(*given: torch.Tensor) -> Any:
+        pick = lambda j, value: value if j is None else given[j]  # noqa: E731
+        return fn(*(pick(j, a) for j, a in positional), **{k: pick(j, v) for k, (j, v) in named.items()})
+
+    return rebuilt, tuple(unique)
 
 
 def on_a_copy_when_recomputed(model: nn.Module, names: tuple[str, ...], inner: Any) -> Any:
