@@ -208,7 +208,7 @@ class StepTracer(TorchDispatchMode):
             # ``t.device`` makes a device object to hash: a CPU tensor (fake ones too) answers ``is_cpu`` without
             "cpu" if t.is_cpu else str(t.device),
             owner,
-            t.shape,
+            _shape(t, st),
             alloc_event,
             self.phase,
             first_seen,
@@ -598,6 +598,15 @@ class StepTracer(TorchDispatchMode):
                     rec.saved = out.saved
                     out.merged_into = rec
                     break
+
+
+def _shape(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, ...]:
+    """``t``'s shape; a nested tensor (``torch.nested``, ``nn.TransformerEncoder``'s fast path with a padding mask)
+    has none, only a buffer of its components: that buffer's length."""
+    try:
+        return tuple(t.shape)
+    except RuntimeError:
+        return (storage.nbytes() // t.element_size(),)
 
 
 def _parameter_of(r: _Storage) -> str:
