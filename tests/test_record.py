@@ -329,6 +329,53 @@ def test_bad_input_says_how_to_fix_it() -> None:
     for bad in (5, None):
         with pytest.raises(InputError, match="the path to save to is"):
             rec.save(bad)  # type: ignore[arg-type]
+    for step in (True, 0.0):  # keys equal to 0, not a step index
+        with pytest.raises(InputError, match=r"was not recorded; recorded steps: \[0\]"):
+            rec.ledger(step=step)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="names the ledgers: give a string, not an int 3"):
+        record(model, opt, name=3)  # type: ignore[arg-type]
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper as many published ones are: an Optimizer subclass that never runs ``Optimizer.__init__``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+
+def test_an_entry_that_fails_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper optimizer without step hooks is refused as record() is called, naming what to give instead;
+    and an entry that fails part-way (here as the first step opens) undoes what it had done: the model's
+    hook, the optimizers' hooks, the GradScaler's watch, the running flag."""
+    from trainledger.record import _loop
+
+    model = nn.Linear(3, 2)
+    inner = torch.optim.Adam(model.parameters())
+    with pytest.raises(InputError, match=r"without running Optimizer.__init__.*record\(model, opt.optimizer\)"):
+        record(model, _Lookahead(inner))
+    scaler_step = torch.amp.GradScaler._maybe_opt_step
+
+    def fails(_self: Any) -> None:
+        raise RuntimeError("the step could not open")
+
+    rec = record(model, inner)
+    monkeypatch.setattr(_loop.Recording, "_open", fails)
+    with pytest.raises(RuntimeError, match="could not open"), rec:
+        pass
+    assert not rec.running and not model._forward_pre_hooks
+    assert not inner._optimizer_step_pre_hooks and not inner._optimizer_step_post_hooks
+    assert torch.amp.GradScaler._maybe_opt_step is scaler_step
+    monkeypatch.undo()
+    with rec:  # entered again, it records
+        model(torch.randn(4, 3)).square().mean().backward()
+        inner.step()
+    assert rec.steps == (0,)
 
 
 def test_an_error_in_the_loop_leaves_nothing_behind() -> None:

@@ -203,6 +203,20 @@ class Recording(contextlib.ContextDecorator):
                     f"record() takes the model's optimizers after it, not {describe(opt)}; "
                     "record(model, optimizer) or record(model, opt_a, opt_b)"
                 )
+        for opt in optimizers:
+            if not hasattr(opt, "_optimizer_step_pre_hooks"):  # no step hooks: Optimizer.__init__ never ran
+                inner = getattr(opt, "optimizer", None)
+                instead = (
+                    "give record the optimizer it wraps (its .optimizer): record(model, opt.optimizer)"
+                    if isinstance(inner, torch.optim.Optimizer)
+                    else "call super().__init__(params, defaults) in its __init__"
+                )
+                raise InputError(
+                    f"record() cannot see {type(opt).__name__}'s steps: it subclasses torch.optim.Optimizer without "
+                    f"running Optimizer.__init__, which sets up the step hooks record uses; {instead}"
+                )
+        if not isinstance(name, str):
+            raise InputError(f"record(name=...) names the ledgers: give a string, not {describe(name)}")
         if not optimizers:
             raise InputError("record() needs the optimizer that ends each step: record(model, optimizer)")
         if len({id(opt) for opt in optimizers}) < len(optimizers):
@@ -241,16 +255,20 @@ class Recording(contextlib.ContextDecorator):
                 "tracer is a dispatch mode): leave it before entering this one"
             )
         self._entered = True
-        # what the optimizers train beside the model (a soft prompt): found once, not at every step
-        self._beside = [named for opt in self.optimizers for named in trained_outside(self.model, opt)]
-        self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
-        for opt in self.optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
-            self._handles.append(opt.register_step_post_hook(self._after_optimizer))
-        self._watches.enter_context(watching_skipped_steps(self._step_returned, self._skipped_optimizer))
-        self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
-        self._watches.enter_context(self._regions)
-        self._open()
+        try:
+            # what the optimizers train beside the model (a soft prompt): found once, not at every step
+            self._beside = [named for opt in self.optimizers for named in trained_outside(self.model, opt)]
+            self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+            for opt in self.optimizers:
+                self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
+                self._handles.append(opt.register_step_post_hook(self._after_optimizer))
+            self._watches.enter_context(watching_skipped_steps(self._step_returned, self._skipped_optimizer))
+            self._watches.enter_context(fsdp_storages(self.model))  # FSDP2's gathered parameters, resized
+            self._watches.enter_context(self._regions)
+            self._open()
+        except BaseException:
+            self._leave()  # nothing of a failed entry stays behind: hooks, patches, the running flag
+            raise
         _RUNNING.append(self)
         return self
 
@@ -265,14 +283,17 @@ class Recording(contextlib.ContextDecorator):
             else:
                 self._discard()
         finally:
-            for h in self._handles:
-                h.remove()
-            self._handles = []
-            self._watches.close()
-            self._let_go_of_stranded()
-            self._entered = False
-            if self in _RUNNING:
-                _RUNNING.remove(self)
+            self._leave()
+
+    def _leave(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._watches.close()
+        self._let_go_of_stranded()
+        self._entered = False
+        if self in _RUNNING:
+            _RUNNING.remove(self)
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -468,7 +489,7 @@ class Recording(contextlib.ContextDecorator):
             )
         if step is None:
             step = max(self._ledgers, key=lambda k: (self._ledgers[k].peak().bytes, -k))
-        if step not in self._ledgers:
+        if step not in self._ledgers or type(step) is not int:  # True and 1.0 are keys equal to 1
             raise InputError(f"step {step!r} was not recorded; recorded steps: {list(self.steps)}")
         led = self._ledgers[step]
         return _on_device(led, _model_device(self.model) if device is None else _named_device(led, device))
