@@ -175,6 +175,40 @@ def test_lightning_callback_leaves_record_when_training_raises(tmp_path: Path) -
     assert _get_current_dispatch_mode() is None and not module._forward_pre_hooks  # nothing left behind
 
 
+def test_lightning_callback_checks_its_folder_when_made_and_a_step_it_cannot_write_only_warns(tmp_path: Path) -> None:
+    """A folder that cannot be one is refused as the callback is made; one that fails only as the step is written
+    (a file where a parent folder must be) warns and training goes on to its last step."""
+    pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra: pip install 'trainledger[lightning]'")
+    from trainledger.errors import InputError
+    from trainledger.integrations.lightning import TrainledgerCallback
+
+    (tmp_path / "a-file").write_text("the user's")
+    for bad, message in ((123, "give the folder to write under"), (tmp_path / "a-file", "is a file, not a folder")):
+        with pytest.raises(InputError, match=message):
+            TrainledgerCallback(output_dir=bad)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="html='no'"):
+        TrainledgerCallback(html="no")  # type: ignore[arg-type]
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], _index: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = TrainledgerCallback(step=1, output_dir=tmp_path / "a-file" / "below")
+    trainer = _quiet_trainer(pl, tmp_path, callback, max_steps=3)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8))
+    with pytest.warns(UserWarning, match="step 1 was recorded but not written"):
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+    assert trainer.global_step == 3 and callback.written is None and callback.recorder.unwritten
+    assert (tmp_path / "a-file").read_text() == "the user's"
+
+
 def test_lightning_callback_records_a_step(tmp_path: Path) -> None:
     pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra: pip install 'trainledger[lightning]'")
     from trainledger.integrations.lightning import TrainledgerCallback

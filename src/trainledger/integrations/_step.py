@@ -44,9 +44,13 @@ class StepRecorder:
     def __init__(self, step: int = 1, *, html: bool = True) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InputError(f"step={step!r}: give the optimizer step to record, a whole number from 0 (e.g. 1)")
+        if not isinstance(html, bool):
+            raise InputError(f"html={html!r}: give True to write the HTML page beside the ledger, or False")
         self.step = step
         self.html = html
         self.written: Written | None = None
+        self.unwritten: str | None = None
+        """Why the recorded step could not be written (it was warned as training went on), or ``None``."""
         self._rec: Recording | None = None
         self._raised_hook: Any = None  # on the model while recording: a forward that raised ends the recording
         self._began_at = -1  # the global step count the recorded batch began at
@@ -54,7 +58,7 @@ class StepRecorder:
 
     def begin(self, global_step: int, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self._last_seen = global_step
-        if global_step < self.step or self._rec is not None or self.written is not None:
+        if global_step < self.step or self._rec is not None or self.written is not None or self.unwritten:
             return
         _leave_abandoned(self)
         self._began_at = global_step
@@ -65,9 +69,10 @@ class StepRecorder:
         self._raised_hook = model.register_forward_hook(self._forward_ended, always_call=True)
 
     def _forward_ended(self, _model: nn.Module, _args: Any, output: Any) -> None:
-        """After every forward of the model while recording, and after one that raised (``always_call``):
-        then the training loop is unwinding, and nothing of the recording may outlive it (its dispatch mode
-        would go on tracing every op of the process, a notebook's included)."""
+        """After every forward of the model while recording, and after one that raised an ``Exception``
+        (``always_call``; PyTorch runs no hook for a ``KeyboardInterrupt``): then the training loop is
+        unwinding, and nothing of the recording may outlive it (its dispatch mode would go on tracing every op
+        of the process, a notebook's included)."""
         if output is None and sys.exc_info()[1] is not None:
             self.stop(discard=True)
 
@@ -78,8 +83,13 @@ class StepRecorder:
         self.stop()
         rank = rec.ledger(step=0).meta.get("rank", 0)
         folder = Path(output_dir) / FOLDER / f"step-{self._began_at}"
-        path = rec.save(folder / f"rank-{rank}.json", step=0)
-        html = write_html(rec.ledger(step=0), folder / f"rank-{rank}.html") if self.html else None
+        try:
+            path = rec.save(folder / f"rank-{rank}.json", step=0)
+            html = write_html(rec.ledger(step=0), folder / f"rank-{rank}.html") if self.html else None
+        except InputError as exc:  # the run goes on: a file trainledger cannot write is no reason to stop training
+            self.unwritten = str(exc)
+            warnings.warn(f"trainledger: step {self._began_at} was recorded but not written: {exc}", stacklevel=2)
+            return None
         self.written = Written(path, html)
         return self.written
 
@@ -104,7 +114,7 @@ class StepRecorder:
     def finish(self) -> None:
         """At the end of training: leave ``record``, and say so when the step was never written."""
         self.stop()
-        if self.written is None:
+        if self.written is None and self.unwritten is None:
             reached = (
                 f"the last batch began at global step {self._last_seen}" if self._last_seen >= 0 else "no batch ran"
             )

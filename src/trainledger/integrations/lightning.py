@@ -21,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "trainledger.integrations.lightning needs lightning: pip install 'trainledger[lightning]'"
     ) from exc
 
+from trainledger.errors import InputError
 from trainledger.integrations._step import StepRecorder, Written
 
 __all__ = ["TrainledgerCallback"]
@@ -39,7 +40,7 @@ class TrainledgerCallback(Callback):  # type: ignore[misc]
 
     def __init__(self, step: int = 1, *, output_dir: str | Path | None = None, html: bool = True) -> None:
         self.recorder = StepRecorder(step, html=html)
-        self.output_dir = output_dir
+        self.output_dir = _output_dir(output_dir)
 
     @property
     def written(self) -> Written | None:
@@ -57,3 +58,15 @@ class TrainledgerCallback(Callback):  # type: ignore[misc]
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.recorder.stop(discard=True)  # training raised: leave record (the exception is the one to see)
+
+
+def _output_dir(given: object) -> Path | None:
+    """``output_dir`` checked as the callback is made, not after the recorded step has run."""
+    if given is None:
+        return None
+    if not isinstance(given, str | Path) or not str(given):
+        raise InputError(f"output_dir={given!r}: give the folder to write under (a str or Path), or None")
+    path = Path(given)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"output_dir {str(path)!r} is a file, not a folder: give the folder to write under")
+    return path
