@@ -121,3 +121,30 @@ def test_plan_json_keys_are_stable():
         "solver",
     ]
     assert d["schema"] == "trainledger.remat-plan/1"
+
+
+def test_a_model_that_draws_its_path_at_random_is_planned_and_its_generator_left_as_it_was():
+    """Stochastic depth (a block skipped when ``torch.rand`` says so): the forward recorded for the solver ran
+    several times from wherever the generator had got to, took other paths, and ``plan`` raised IndexError.
+    Each run starts from the same state now, and the state is what it was before planning."""
+    from torch import nn
+
+    from trainledger.remat import plan
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 48), nn.Linear(48, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training and torch.rand(()) < 0.5:
+                return x
+            return x + self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 16), *(Block() for _ in range(6)))
+    w = Workload(model, torch.randn(64, 16), loss_fn=lambda out, _batch: out.square().mean())
+    before = torch.get_rng_state()
+    p = plan(w, "95%", cost="flops")
+    assert torch.equal(torch.get_rng_state(), before)
+    assert p.predicted_peak_bytes is not None and p.predicted_peak_bytes <= p.budget_bytes

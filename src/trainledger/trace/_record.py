@@ -247,7 +247,14 @@ def _record_runs(
 ) -> None:
     registry = _flop_registry()
     model = workload.model
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     for _ in range(max(1, repeats) + 1):
+        # every run from the generators' state the step's forward starts from: a model that draws its path
+        # (stochastic depth skipping a block) takes the traced step's path each time
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
@@ -267,6 +274,9 @@ def _record_runs(
             if r[2] is None:
                 r[2] = len(rec.ops)
         runs.append(rec)
+    torch.set_rng_state(cpu_rng)  # as it was: recording the forward draws nothing the loop would see
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _combine(runs: list[_Recorder]) -> ForwardRecord:
