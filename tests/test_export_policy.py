@@ -301,3 +301,51 @@ def test_a_region_given_one_tensor_as_several_arguments_recomputes_under_saved_t
             assert all(torch.equal(a, b) for a, b in zip(grads(), plain, strict=True))
         finally:
             runner.remove(model)
+
+
+def test_a_regions_keyword_arguments_reach_its_module_not_checkpoint(tmp_path):
+    """``torch.utils.checkpoint`` keeps keywords of its own (``debug``, ``early_stop``, ``use_reentrant``): a
+    module whose forward takes one lost it (or the call raised) under a plan. Both ``Plan.apply`` and the
+    exported file give the module every keyword: outputs and gradients bitwise the plain step's."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 6)
+
+        def forward(
+            self, x: torch.Tensor, *, debug: bool = False, early_stop: bool = False, use_reentrant: bool = False
+        ) -> torch.Tensor:
+            y = torch.tanh(self.linear(x))
+            return y * 2 if debug else y * 0.5 if early_stop else y - 1 if use_reentrant else y
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor, **flags: bool) -> torch.Tensor:
+            return self.block(x, **flags)
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4, 6)
+    plan = remat.Plan(regions=(remat.Region("block"),), fingerprint=remat.structure_fingerprint(model))
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+
+    def run(flags: dict[str, bool]) -> list[torch.Tensor]:
+        out = model(x, **flags)
+        out.square().sum().backward()
+        result = [out.detach(), *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad(set_to_none=True)
+        return result
+
+    for flags in ({"debug": True}, {"early_stop": True}, {"use_reentrant": True}):
+        plain = run(flags)
+        for runner in (plan, load(path)):
+            runner.apply(model)
+            try:
+                assert all(torch.equal(a, b) for a, b in zip(run(flags), plain, strict=True)), flags
+            finally:
+                runner.remove(model)

@@ -180,6 +180,8 @@ def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple])
         once = each_tensor_once(fn, args, kwargs)
         if once is not None:
             (fn, args), kwargs = once, {}
+        if kwargs:  # bound here: checkpoint keeps keywords of its own (debug, early_stop, ...) from the module
+            fn, kwargs = functools.partial(fn, **kwargs), {}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     module.__dict__[_STATE] = state
