@@ -61,10 +61,13 @@ class Budget:
             if value.strip().endswith("%"):
                 raise InputError(f"budget {value!r} is not understood; {_NOT_UNDERSTOOD}")
             bare = _BARE.match(value)
+            if bare and float(bare.group(1)) <= 0:
+                raise InputError(f"budget {value!r} must be positive: a share of the plain peak (60%) or a size (2GiB)")
             if bare and float(bare.group(1)) <= 100:  # no step fits in 100 bytes: a percentage without its sign
+                number = value.strip()
                 raise InputError(
-                    f"budget {value!r} would be {value.strip()} bytes; give {value.strip()}% for a share of the plain "
-                    f"peak, or a size with its unit ({value.strip()}MiB)"
+                    f"budget {value!r} would be {number} byte{'' if float(number) == 1 else 's'}; give {number}% for a "
+                    f"share of the plain peak, or a size with its unit ({number}MiB)"
                 )
         try:
             return cls(nbytes=parse_size(value))
