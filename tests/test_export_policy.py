@@ -8,6 +8,7 @@ see test_trace.py), and the gradients against ``Plan.apply``'s, bitwise.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -162,6 +163,12 @@ def test_a_model_under_a_plan_refuses_to_be_copied_and_copies_after_remove(tmp_p
         runner.apply(w.model)
         with pytest.raises(error, match="cannot be copied or pickled whole"):
             copy.deepcopy(w.model)
+        with pytest.raises(error, match="cannot be copied or pickled whole"):
+            torch.save(w.model, io.BytesIO())  # not pickle's "Can't pickle local object"
+        if runner is plan:  # another plan's remove would leave this one's regions wrapped
+            other = remat.Plan(regions=(remat.Region("ln_f"),), fingerprint=plan.fingerprint)
+            with pytest.raises(InputError, match="runs under another plan"):
+                other.remove(w.model)
         runner.remove(w.model)
         clone = copy.deepcopy(w.model)  # without the plan: a model of its own, whose backward is its own
         twin = Workload(clone, w.batch, loss_fn=w.loss_fn)
@@ -349,3 +356,45 @@ def test_a_regions_keyword_arguments_reach_its_module_not_checkpoint(tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(run(flags), plain, strict=True)), flags
             finally:
                 runner.remove(model)
+
+
+def test_a_hand_written_region_on_a_batchnorm_block_updates_its_statistics_once(tmp_path):
+    """A region written by hand lists no buffers to restore: recomputed, its BatchNorm updated the running
+    statistics a second time (a plan made by ``plan`` lists what its trace saw written). Both ways of applying
+    now recompute on a copy of every running statistic inside the region: buffers and gradients bitwise the plain
+    step's. A module that works in place on its input is refused as a region."""
+    from torch import nn
+
+    from trainledger.errors import InputError
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(inplace=True))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(block(), block(), nn.BatchNorm2d(3, momentum=None))  # momentum=None: a cumulative mean
+    x = torch.randn(2, 3, 6, 6)
+    plan = remat.Plan(regions=(remat.Region("0"), remat.Region("2")), fingerprint=remat.structure_fingerprint(model))
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step() -> dict[str, torch.Tensor]:
+        model.load_state_dict(start)
+        model(x).square().mean().backward()
+        after = {**model.state_dict(), **{f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()}}
+        model.zero_grad(set_to_none=True)
+        return {k: v.clone() for k, v in after.items()}
+
+    plain = step()
+    for runner in (plan, load(path)):
+        runner.apply(model)
+        try:
+            planned = step()
+        finally:
+            runner.remove(model)
+        assert planned.keys() == plain.keys()
+        assert all(torch.equal(planned[k], plain[k]) for k in plain), [
+            k for k in plain if not torch.equal(planned[k], plain[k])
+        ]
+    with pytest.raises(InputError, match=r"'1\.2' works in place on its input"):
+        remat.Plan(regions=(remat.Region("1.2"),), fingerprint=remat.structure_fingerprint(model)).apply(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -148,3 +149,51 @@ def test_a_model_that_draws_its_path_at_random_is_planned_and_its_generator_left
     p = plan(w, "95%", cost="flops")
     assert torch.equal(torch.get_rng_state(), before)
     assert p.predicted_peak_bytes is not None and p.predicted_peak_bytes <= p.budget_bytes
+
+
+def test_a_region_inside_another_and_a_model_checkpointing_its_own_layers_are_refused(tmp_path):
+    """Both would run a checkpoint inside another's recomputation, which saves other tensors than the forward
+    did: backward raised CheckpointError, after ``check`` had passed the plan (a saved plan applied to the same
+    Hugging Face model after ``gradient_checkpointing_enable()`` has the same fingerprint)."""
+    transformers = pytest.importorskip("transformers")
+    from trainledger.remat import Region
+
+    model = gpt_tiny().model
+    fingerprint = structure_fingerprint(model)
+    for regions, inner, outer in (
+        (("blocks.1", "blocks.1.mlp"), "blocks.1.mlp", "blocks.1"),
+        (("", "blocks.0"), "blocks.0", "(the whole model)"),
+    ):
+        plan = Plan(regions=tuple(Region(r) for r in regions), fingerprint=fingerprint)
+        with pytest.raises(InputError, match=re.escape(f"region '{inner}' lies inside region '{outer}'")):
+            plan.apply(model)
+        assert not any("_trainledger" in k for m in model.modules() for k in m.__dict__)
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8, use_cache=False)
+    hf = transformers.GPT2LMHeadModel(config)
+    plan = Plan(regions=(Region("transformer.h.0"),), fingerprint=structure_fingerprint(hf))
+    on, off = (
+        ("activation_checkpointing_enable", "activation_checkpointing_disable")
+        if hasattr(hf, "activation_checkpointing_enable")  # transformers 5's names
+        else ("gradient_checkpointing_enable", "gradient_checkpointing_disable")
+    )
+    getattr(hf, on)()
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    from tests.test_export_policy import load
+
+    with pytest.raises(InputError, match="checkpoints its own layers"):
+        plan.apply(hf)
+    with pytest.raises(RuntimeError, match="checkpoints its own layers"):
+        load(path).apply(hf)
+    getattr(hf, off)()
+    plan.apply(hf)
+    plan.remove(hf)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing dynamo
+def test_a_plan_given_torch_compiles_wrapper_says_to_apply_it_before_compiling():
+    model = gpt_tiny().model
+    plan = Plan(regions=(), fingerprint=structure_fingerprint(model))
+    with pytest.raises(InputError, match=r"torch.compile's wrapper of the model: apply the plan .* before compiling"):
+        plan.apply(torch.compile(model))

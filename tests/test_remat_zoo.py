@@ -84,8 +84,9 @@ def test_in_place_writes_to_older_tensors_are_never_recomputed():
 
 @pytest.mark.slow
 def test_recomputing_a_stateful_module_without_its_copy_is_caught():
-    """The oracle can fail: without ``restore`` the running statistics are updated twice and the running
-    scale's recomputed output differs, and verification says so."""
+    """The oracle can fail: without ``restore`` the running scale (a module of the model's own) is updated twice
+    and its recomputed output differs, and verification says so. BatchNorm's running statistics are recomputed on
+    a copy even so (a region written by hand lists no buffers)."""
     w = stateful_cnn()
     names = (
         "blocks.1.bn.num_batches_tracked",
@@ -99,7 +100,7 @@ def test_recomputing_a_stateful_module_without_its_copy_is_caught():
     assert compare_state(w, safe)[0]
     equal, count, mismatched = compare_state(w, unsafe)
     assert not equal and count > 0
-    assert {"buffer blocks.1.bn.running_mean", "buffer blocks.1.stat.mean"} <= set(mismatched)
+    assert "buffer blocks.1.stat.mean" in mismatched and not [m for m in mismatched if ".bn." in m]
 
 
 def test_a_container_that_is_never_called_is_refused():

@@ -227,9 +227,11 @@ def user_errors(what: str) -> Iterator[None]:
 
 
 _CHECKPOINT_HINT = (
-    " (if the model checkpoints a call that passes one tensor as several arguments, such as self-attention's "
-    "attn(x, x, x): under saved-tensor hooks, which tracing uses, PyTorch recomputes it with distinct tensors and "
-    "nn.MultiheadAttention then takes another path; checkpoint a function that takes the tensor once)"
+    " (a recomputation saved other tensors than its forward did: a checkpointed region inside another's, such as a "
+    "plan applied to a model that checkpoints its own layers, which recomputes the inner one plainly; or a "
+    "checkpointed call that passes one tensor as several arguments, such as self-attention's attn(x, x, x), which "
+    "under saved-tensor hooks, as tracing uses, PyTorch recomputes with distinct tensors: checkpoint a function that "
+    "takes the tensor once)"
 )
 
 

@@ -35,8 +35,10 @@ from trainledger.remat._policy_file import (
     PLAN_STATE,
     cache_back,
     cache_off,
+    checkpoints_its_layers,
     each_tensor_once,
     on_a_copy_when_recomputed,
+    running_statistics,
 )
 
 PLAN_SCHEMA = "trainledger.remat-plan/1"
@@ -244,6 +246,11 @@ class Plan:
 
     def check(self, model: nn.Module) -> None:
         """Raise ``InputError`` unless ``model`` has this plan's structure and every region can run."""
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            raise InputError(
+                "this is torch.compile's wrapper of the model: apply the plan to the model itself before compiling "
+                "it (plan.apply(model), then torch.compile(model))"
+            )
         modules = dict(model.named_modules())
         buffers = dict(model.named_buffers())
         seen: set[tuple[str, int | None]] = set()
@@ -262,6 +269,11 @@ class Plan:
                     f"module {r.path!r} is a {type(module).__name__}, which is never called (it has no forward); "
                     f"recompute the modules it holds instead: {held}"
                 )
+            if getattr(module, "inplace", False) is True:
+                raise InputError(
+                    f"module {r.path!r} works in place on its input (inplace=True): recomputed, it would start from "
+                    "its own result; recompute the module that holds it"
+                )
             if r.call is not None and not 0 <= r.call < r.num_calls:
                 raise InputError(f"region {r.path!r}: call {r.call} is not one of its {r.num_calls} calls")
             if (
@@ -271,6 +283,13 @@ class Plan:
             ):
                 raise InputError(f"the plan names module {r.path!r} twice; give each call of a module once")
             seen.add((r.path, r.call))
+            outer = next((o.path for o in self.regions if _inside(r, o)), None)
+            if outer is not None:
+                raise InputError(
+                    f"region {r.path!r} lies inside region {outer or '(the whole model)'!r}, which recomputes it "
+                    "already (a checkpoint run inside another's recomputation saves other tensors than in forward, "
+                    "and backward fails); keep one of the two"
+                )
             missing = [n for n in r.restore if n not in buffers]
             if missing:
                 raise InputError(
@@ -288,6 +307,12 @@ class Plan:
         self.check(model)
         if _HOOK in model.__dict__:
             raise InputError("the model already runs under a plan; remove that plan first")
+        if checkpoints_its_layers(model):
+            raise InputError(
+                "the model checkpoints its own layers (transformers' gradient checkpointing is on), inside which a "
+                "region would be recomputed twice over and backward fails; turn it off before applying a plan "
+                "(model.gradient_checkpointing_disable(), activation_checkpointing_disable() in transformers 5)"
+            )
         by_path: dict[str, list[Region]] = {}
         for r in self.regions:
             by_path.setdefault(r.path, []).append(r)
@@ -296,20 +321,19 @@ class Plan:
                 raise InputError(f"module {path!r} already runs under a plan; remove that plan first")
         cache_off(model)
         states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
-
-        def new_forward_of_the_model(_module: nn.Module, _args: Any) -> None:
-            if not _in_backward():  # call numbers restart with each forward of the model, as traced
-                for st in states:
-                    st.count = 0
-
-        model.__dict__[_HOOK] = model.register_forward_pre_hook(new_forward_of_the_model)
+        restart = _RestartCounts(states, self.regions)
+        model.__dict__[_HOOK] = (model.register_forward_pre_hook(restart), restart)
 
     def remove(self, model: nn.Module) -> None:
         """Restore the original ``forward`` of every region this plan wrapped (and a Hugging Face model's
         key/value cache, turned off while it ran)."""
-        hook = model.__dict__.pop(_HOOK, None)
-        if hook is not None:
-            hook.remove()
+        applied = model.__dict__.get(_HOOK)
+        if applied is not None and applied[1].regions != self.regions:
+            shown = ", ".join(r.label for r in applied[1].regions)
+            raise InputError(f"the model runs under another plan (regions: {shown}); remove it with that plan")
+        if applied is not None:
+            del model.__dict__[_HOOK]
+            applied[0].remove()
         cache_back(model)
         for path in dict.fromkeys(r.path for r in self.regions):
             module = model.get_submodule(path)
@@ -522,6 +546,39 @@ _NO_COPY = (
 )
 
 
+class _RestartCounts:
+    """The model's forward pre-hook under a plan: call numbers restart with each forward of the model, as traced.
+    It knows the regions it serves (``remove`` of another plan is refused) and, like the wrapped modules' state,
+    refuses to be copied or pickled (see ``_NO_COPY``)."""
+
+    def __init__(self, states: list[_Wrapped], regions: tuple[Region, ...]) -> None:
+        self.states = states
+        self.regions = regions
+
+    def __call__(self, _module: nn.Module, _args: Any) -> None:
+        if not _in_backward():
+            for st in self.states:
+                st.count = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise InputError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise InputError(_NO_COPY)
+
+
+def _inside(region: Region, outer: Region) -> bool:
+    """Whether ``region`` is checkpointed inside a call that ``outer`` checkpoints: its module lies in ``outer``'s
+    (``""``: the whole model), and the calls meet. A module called once per call of ``outer``'s (as many calls)
+    runs its call ``j`` inside ``outer``'s call ``j``; with other counts, calls named on both sides may not meet."""
+    path, within = region.path, outer.path
+    if path == within or not (within == "" or path.startswith(within + ".")):
+        return False
+    if outer.call is None or region.call is None:
+        return True
+    return region.num_calls == outer.num_calls and region.call == outer.call
+
+
 def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrapped:
     from torch.utils.checkpoint import checkpoint
 
@@ -542,7 +599,8 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         if region is None or not torch.is_grad_enabled():  # not this call; or nothing to save (no_grad)
             return inner(*args, **kwargs)
         st.ran[region.call] = st.ran.get(region.call, 0) + 1
-        fn = on_a_copy_when_recomputed(model, region.restore, inner) if region.restore else inner
+        restore = region.restore or running_statistics(module, region.path)
+        fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
         context_fn = _context_fn(region.policy)
         extra = {} if context_fn is None else {"context_fn": context_fn, **_sac_hooks_argument()}
         once = each_tensor_once(fn, args, kwargs)

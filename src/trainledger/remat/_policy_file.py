@@ -58,6 +58,25 @@ class _State(dict):  # type: ignore[type-arg]
         raise RuntimeError(_NO_COPY)
 
 
+class _RestartCounts:
+    """The model's forward pre-hook: call numbers restart with each forward of the model. Like the wrapped
+    modules' state, it refuses to be copied or pickled (see ``_NO_COPY``)."""
+
+    def __init__(self, states: list[dict[str, Any]]) -> None:
+        self.states = states
+
+    def __call__(self, _module: nn.Module, _args: Any) -> None:
+        if not _in_backward():
+            for state in self.states:
+                state["count"] = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(_NO_COPY)
+
+
 def policy_fn(policy: str) -> Any:
     """The policy named ``policy`` for one checkpointed call, in the form
     ``create_selective_checkpoint_contexts`` takes; strided ops are counted apart in forward and in the
@@ -107,15 +126,15 @@ def apply(model: nn.Module) -> None:
     for path in by_path:  # every module found and free before any is wrapped
         if {_STATE, PLAN_STATE} & model.get_submodule(path).__dict__.keys():
             raise RuntimeError(f"module {path!r} already runs under a plan or policy; remove it first")
+    if checkpoints_its_layers(model):
+        raise RuntimeError(
+            "the model checkpoints its own layers (transformers' gradient checkpointing is on), inside which a region "
+            "would be recomputed twice over and backward fails; turn it off first (model.gradient_checkpointing_"
+            "disable(), activation_checkpointing_disable() in transformers 5)"
+        )
     cache_off(model)
     states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
-
-    def new_forward_of_the_model(_module: nn.Module, _args: Any) -> None:
-        if not _in_backward():  # call numbers restart with each forward of the model
-            for state in states:
-                state["count"] = 0
-
-    model.__dict__[_HOOK] = model.register_forward_pre_hook(new_forward_of_the_model)
+    model.__dict__[_HOOK] = model.register_forward_pre_hook(_RestartCounts(states))
 
 
 def remove(model: nn.Module) -> None:
@@ -133,6 +152,24 @@ def remove(model: nn.Module) -> None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = state["original"]
+
+
+def running_statistics(module: nn.Module, path: str) -> tuple[str, ...]:
+    """The running statistics that normalization layers in ``module`` (at ``path`` in the model) update as they
+    run in training: what a region written without its buffers recomputes on a copy of (a plan made by
+    trainledger lists what its trace saw written)."""
+    names = []
+    for sub_path, sub in module.named_modules(prefix=path):
+        if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats:
+            held = [n for n, b in sub.named_buffers(recurse=False) if b is not None]
+            names += [f"{sub_path}.{n}" if sub_path else n for n in held]
+    return tuple(names)
+
+
+def checkpoints_its_layers(model: nn.Module) -> bool:
+    """Whether a Hugging Face model recomputes its own layers (``gradient_checkpointing_enable()``, in transformers 5
+    ``activation_checkpointing_enable()``, sets ``gradient_checkpointing`` on each module that does)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 _CACHE_WAS_ON = "_remat_policy_use_cache"
@@ -174,7 +211,8 @@ def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple])
         region = regions.get(index, regions.get(None))
         if region is None or not torch.is_grad_enabled():  # not this call, or nothing to save
             return inner(*args, **kwargs)
-        _path, policy, _call, _num_calls, restore = region
+        path, policy, _call, _num_calls, restore = region
+        restore = restore or running_statistics(module, path)
         fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
         extra = {} if policy == "full" else {"context_fn": functools.partial(context_fn, policy), **_SAC_EXTRA}
         once = each_tensor_once(fn, args, kwargs)
