@@ -273,3 +273,41 @@ def test_pareto_where_no_plan_lowers_the_peak_is_one_row(cli_json, tmp_path):
     d = cli_json("pareto", "--model", f"{f}:make", "--cost", "flops")
     assert d["floor_bytes"] == d["plain_peak_bytes"]
     assert [r["budget_bytes"] for r in d["rows"]] == [d["plain_peak_bytes"]]
+
+
+COUNTING = """
+import torch
+from torch import nn
+from trainledger import Workload
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # Python state: a recomputation sees another value than the forward did
+        return x + self.down(torch.tanh(self.up(x))) * (1 + self.calls % 2)
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Block(), Block())
+    return Workload(model, torch.randn(512, 8), loss_fn=lambda out, _batch: out.square().mean())
+"""
+
+
+@pytest.mark.slow
+def test_a_plan_that_fails_its_verification_is_not_written(cli, tmp_path):
+    """A block whose forward reads Python state it changes computes another thing when recomputed: the
+    gradients differ, ``plan --verify`` exits 1, and neither ``--save`` nor ``--export-policy`` writes a plan
+    a training loop would then apply."""
+    (tmp_path / "counting.py").write_text(COUNTING)
+    saved, policy = tmp_path / "plan.json", tmp_path / "remat_policy.py"
+    argv = ("plan", "--model", f"{tmp_path / 'counting.py'}:make", "--budget", "85%", "--verify", "--cost", "flops")
+    code, out, err = cli(*argv, "--save", str(saved), "--export-policy", str(policy))
+    assert code == 1 and ": NO (0 of " in out.split("gradients bitwise equal")[1][:80]
+    assert not saved.exists() and not policy.exists()
+    assert f"the plan failed its verification: {saved}, {policy} not written" in err

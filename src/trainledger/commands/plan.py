@@ -370,17 +370,21 @@ def _per_rank_peak(planner: Any, sharding: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     result = compute(args)
-    if args.save:
+    v = result.verification
+    failed = v is not None and not v.passed
+    outputs = [f for f in (args.save, args.export_policy) if f]
+    if args.save and not failed:  # a plan its verification failed is not written for a training loop to apply
         result.plan.save(args.save, extra={"baselines": [b.to_dict() for b in result.baselines]})
-    if args.export_policy:
+    if args.export_policy and not failed:
         _refuse_a_loaded_module(args.export_policy)  # known now that the model is built: its own layers
         result.plan.export_policy(args.export_policy, command=command_line(args))
     if args.json:
         print_json(result.to_dict())
     else:
-        render(result, make_console(), saved=", ".join(f for f in (args.save, args.export_policy) if f))
-    v = result.verification
-    return 1 if v is not None and not v.passed else 0
+        render(result, make_console(), saved=", ".join(outputs) if not failed else None)
+    if failed and outputs:
+        sys.stderr.write(f"trainledger plan: the plan failed its verification: {', '.join(outputs)} not written\n")
+    return 1 if failed else 0
 
 
 def kernels_line(p: Any) -> str:
