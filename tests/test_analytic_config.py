@@ -36,6 +36,11 @@ LLAMA = {
         ({"attention_dropout": 1.5}, "'attention_dropout' is 1.5; a dropout probability"),
         ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' is 'yes'"),
         ({"hidden_act": "swishy"}, "activation 'swishy' is not in the closed form"),
+        # switches and rope settings as Python would read them: "false" is true, and "half" no number
+        ({"attention_bias": "false"}, "'attention_bias' is 'false'; it must be true or false"),
+        ({"mlp_bias": 1}, "'mlp_bias' is 1; it must be true or false"),
+        ({"rope_scaling": "yes"}, "'rope_scaling' is 'yes'; it must be an object of rope settings"),
+        ({"rope_parameters": [1]}, "'rope_parameters' is [1]; it must be an object of rope settings"),
     ],
 )
 def test_bad_configs_name_the_bad_value(change, fragment):
@@ -120,3 +125,42 @@ def test_defaults_are_transformers_defaults(family):
         assert actual == value, (family, key, actual, value)
         num_checked += 1
     assert num_checked > 0, f"no default of {family} is an attribute of transformers' config: nothing checked"
+
+
+PHI = {**LLAMA, "model_type": "phi", "intermediate_size": 128}
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"partial_rotary_factor": "half"}, "'partial_rotary_factor' is 'half'"),
+        ({"partial_rotary_factor": float("nan")}, "'partial_rotary_factor' is nan"),
+        ({"partial_rotary_factor": -1}, "'partial_rotary_factor' is -1"),
+        ({"partial_rotary_factor": 1.5}, "'partial_rotary_factor' is 1.5"),
+        ({"rope_scaling": {"partial_rotary_factor": "0.5"}}, "'rope_scaling.partial_rotary_factor' is '0.5'"),
+        ({"rope_parameters": {"partial_rotary_factor": True}}, "'rope_parameters.partial_rotary_factor' is True"),
+        ({"qk_layernorm": "no"}, "'qk_layernorm' is 'no'; it must be true or false"),
+    ],
+)
+def test_a_rotary_fraction_or_switch_that_is_no_number_or_boolean_is_refused(change, fragment):
+    """A traceback before (``float('half')``, ``int(nan)``), or an answer for a negative fraction."""
+    with pytest.raises(InputError) as exc:
+        arch_from_config({**PHI, **change})
+    message = str(exc.value)
+    assert fragment in message and ("above 0 and at most 1" in message or "true or false" in message), message
+    fine = arch_from_config({**PHI, "rope_scaling": {"partial_rotary_factor": None}, "partial_rotary_factor": 0.5})
+    assert fine.rotary_dim == 8  # a null in rope_scaling is the family's key: 16-wide heads × 0.5
+
+
+def test_a_gpt2_with_cross_attention_is_refused_by_the_closed_form_and_traced_whole(cli, cli_json, tmp_path):
+    """Its layers hold cross-attention weights the closed form had no count for: estimate answered 21% low.
+    The trace builds it whole, and its parameters are transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    cfg = {"model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "add_cross_attention": True}))
+    code, _, err = cli("estimate", "--hf-config", str(path), "--seq-len", "16")
+    assert code == 2 and "'add_cross_attention' is true" in err and "trace --hf-config CONFIG --fake" in err
+    traced = cli_json("trace", "--hf-config", str(path), "--seq-len", "16", "--micro-batch", "1", "--fake")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg, add_cross_attention=True))
+    assert traced["num_params"] == sum(p.numel() for p in model.parameters())

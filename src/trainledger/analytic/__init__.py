@@ -16,7 +16,13 @@ Example:
 
 from trainledger.analytic._activations import lora_targets
 from trainledger.analytic._arch import FAMILIES, ArchSpec
-from trainledger.analytic._config import arch_from_config, load_config_file, normalized_config, unmodelled_activation
+from trainledger.analytic._config import (
+    arch_from_config,
+    load_config_file,
+    normalized_config,
+    unmodelled,
+    unmodelled_activation,
+)
 from trainledger.analytic._estimate import EstimateResult, check_positions, estimate
 from trainledger.analytic._fit import Candidate, FitOptions, FitResult, fit, with_traced_peaks
 from trainledger.analytic._model import analytic_ledger, check_lora, compact, saved_bytes_per_layer, step_flops
@@ -49,6 +55,7 @@ __all__ = [
     "param_tensors",
     "saved_bytes_per_layer",
     "step_flops",
+    "unmodelled",
     "unmodelled_activation",
     "with_traced_peaks",
 ]

@@ -172,6 +172,18 @@ def unmodelled_activation(raw: dict[str, Any]) -> str | None:
     return None if act in ACTIVATIONS else str(act)
 
 
+def unmodelled(raw: dict[str, Any]) -> str | None:
+    """What of a config of an analytic family the closed form has no count for (``None``: nothing): an
+    activation outside it, or a GPT-2's cross-attention to an encoder. Transformers still builds and trains
+    such a model, so a trace builds it whole."""
+    act = unmodelled_activation(raw)
+    if act is not None:
+        return f"activation {act!r}"
+    if raw.get("model_type") == "gpt2" and raw.get("add_cross_attention") is True:
+        return "cross-attention (add_cross_attention)"
+    return None
+
+
 def _size(cfg: dict[str, Any], key: str, limit: Limit = MAX_WIDTH) -> int:
     """A positive whole size, no larger than ``limit``: an implausible size is refused in one line before
     anything is built (a billion layers would exhaust memory, not answer a question)."""
@@ -320,6 +332,9 @@ def _experts(cfg: dict[str, Any]) -> tuple[int, int]:
 def _rotary_dim(cfg: dict[str, Any], names: _Naming, head_dim: int) -> int:
     """The width of the rotary cos/sin: the rotary fraction of the head (of an explicit ``head_dim`` where
     only the rotary embedding reads it); wider than the head, transformers cannot apply it."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise InputError(f"config key {key!r} is {cfg[key]!r}; it must be an object of rope settings, or null")
     if names.rotary is None:
         return 0
     rotary_head = head_dim
@@ -346,10 +361,20 @@ def _rotary_fraction(cfg: dict[str, Any], rotary: tuple[str, float]) -> float:
     key, default = rotary
     if not key:
         return 1.0
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    named = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(named) or {}
     if not isinstance(rope, dict):
-        raise InputError(f"config key 'rope_parameters' is {rope!r}; it must be an object of rope settings")
-    return float(rope.get("partial_rotary_factor", cfg.get(key, default)))
+        raise InputError(f"config key {named!r} is {rope!r}; it must be an object of rope settings")
+    where = f"{named}.partial_rotary_factor" if "partial_rotary_factor" in rope else key
+    value = rope["partial_rotary_factor"] if "partial_rotary_factor" in rope else cfg.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise InputError(
+            f"config key {where!r} is {value!r}; it must be the share of each head the rotary embedding turns, a "
+            "number above 0 and at most 1 (e.g. 0.5)"
+        )
+    return float(value)
 
 
 # --- what a family's layers hold ----------------------------------------------------------------------
@@ -388,9 +413,20 @@ _LAYOUTS: dict[Family, _Layout] = {
 }
 
 
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """A switch of the config: ``true``, ``false`` or absent (``"false"``, a string, is true to Python and refused
+    by transformers)."""
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InputError(f"config key {key!r} is {value!r}; it must be true or false")
+    return value
+
+
 def _llama_switches(cfg: dict[str, Any]) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", False))
-    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+    bias = _flag(cfg, "attention_bias", False)
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
 
 
 def _window(cfg: dict[str, Any], first: int = 0) -> dict[str, Any]:
@@ -417,10 +453,10 @@ def _qwen2_switches(cfg: dict[str, Any]) -> dict[str, Any]:
                 f"config key 'layer_types' is {types!r}; modelled are full_attention layers followed by "
                 "sliding_attention ones (as use_sliding_window with max_window_layers makes); trace other patterns"
             )
-        if sliding_layers and cfg.get("use_sliding_window"):
+        if sliding_layers and _flag(cfg, "use_sliding_window", False):
             out.update(_window({"sliding_window": 4096, **cfg}, first))
         return out
-    if cfg.get("use_sliding_window"):
+    if _flag(cfg, "use_sliding_window", False):
         first = cfg.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise InputError(f"config key 'max_window_layers' is {first!r}; it must be a whole number of layers")
@@ -428,9 +464,21 @@ def _qwen2_switches(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gpt2_switches(cfg: dict[str, Any]) -> dict[str, Any]:
+    if _flag(cfg, "add_cross_attention", False):
+        raise InputError(
+            "config key 'add_cross_attention' is true: each layer also holds cross-attention to an encoder, which "
+            "the closed form has no count for; trace --hf-config CONFIG --fake counts its weights"
+        )
+    return {
+        "learned_positions": _size(cfg, "n_positions", MAX_SEQ_LEN),
+        "upcast_attn": _flag(cfg, "reorder_and_upcast_attn", False),
+    }
+
+
 def _gpt_neox_switches(cfg: dict[str, Any]) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", True))
-    return {"qkv_bias": bias, "o_bias": bias, "parallel_residual": bool(cfg.get("use_parallel_residual", True))}
+    bias = _flag(cfg, "attention_bias", True)
+    return {"qkv_bias": bias, "o_bias": bias, "parallel_residual": _flag(cfg, "use_parallel_residual", True)}
 
 
 # What a family's config switches on or off, over its layout.
@@ -439,12 +487,9 @@ _SWITCHES: dict[Family, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mistral": _window,
     "mixtral": _window,
     "qwen2": _qwen2_switches,
-    "gpt2": lambda cfg: {
-        "learned_positions": _size(cfg, "n_positions", MAX_SEQ_LEN),
-        "upcast_attn": bool(cfg.get("reorder_and_upcast_attn", False)),
-    },
+    "gpt2": _gpt2_switches,
     "gpt_neox": _gpt_neox_switches,
-    "phi": lambda cfg: {"qk_layernorm": bool(cfg.get("qk_layernorm", False))},
+    "phi": lambda cfg: {"qk_layernorm": _flag(cfg, "qk_layernorm", False)},
 }
 
 

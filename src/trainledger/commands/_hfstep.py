@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from trainledger.analytic import FAMILIES, load_config_file, unmodelled_activation
+from trainledger.analytic import FAMILIES, load_config_file, unmodelled
 from trainledger.commands.common import add_model_flag, flags_verb, positive_int
 from trainledger.commands.estimate import STEP_DEFAULTS, add_step_flags, check_lora_flags, setup_from
 from trainledger.errors import InputError
@@ -116,8 +116,8 @@ def in_analytic_family(args: argparse.Namespace) -> bool:
     if getattr(args, "task", None) not in (None, "causal-lm"):
         return False
     raw = load_config_file(args.hf_config)
-    if raw.get("model_type") not in FAMILIES or unmodelled_activation(raw) is not None:
-        return False  # an activation the closed form has no count for: transformers still trains it
+    if raw.get("model_type") not in FAMILIES or unmodelled(raw) is not None:
+        return False  # what the closed form has no count for (an activation): transformers still trains it
     if getattr(args, "task", None) is None and raw.get("architectures"):  # LlamaForSequenceClassification
         from trainledger.anymodel import load_any_config
 
