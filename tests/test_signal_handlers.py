@@ -56,3 +56,17 @@ def test_a_signal_swallowed_by_a_weak_reference_callback_is_raised_when_the_bloc
         gc.collect()
         finished.append(ref() is None)  # the work went on past the swallowed signal
     assert finished == [True] and caught.value.signum == signal.SIGHUP
+
+
+def test_a_signal_ignored_as_the_process_began_stays_ignored():
+    """Under ``nohup`` SIGHUP is ignored: a command that hangs up must not end (it did, with status 129)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with terminating_signals_raise():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(1000):
+                pass
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -57,7 +57,8 @@ def _raise(signum: int, _frame: FrameType | None) -> None:
 @contextlib.contextmanager
 def terminating_signals_raise() -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM and SIGHUP raise
-    :class:`Terminated`, once; later signals are ignored until the block ends. A signal whose exception
+    :class:`Terminated`, once; later signals are ignored until the block ends. A signal the process was started
+    ignoring (``nohup``'s SIGHUP) stays ignored. A signal whose exception
     Python swallowed (it arrived while a weak-reference callback or a finalizer ran) is raised again
     when the block ends. Only the main thread can
     set handlers: elsewhere this does nothing."""
@@ -68,7 +69,8 @@ def terminating_signals_raise() -> Iterator[None]:
     _received.clear()
     try:
         for s in TERMINATING:
-            signal.signal(s, _raise)
+            if previous[s] is not signal.SIG_IGN:  # ignored as the process began (nohup's SIGHUP): it stays so
+                signal.signal(s, _raise)
         yield
         if _received:
             # raised where Python could not pass it on (a weak-reference callback, a finalizer, which only
