@@ -16,6 +16,7 @@ import io
 import json
 import os
 import string
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -579,3 +580,43 @@ def test_a_value_starting_with_a_dash_after_a_space_gets_the_values_own_message(
     assert code == 2
     assert "expected one argument" not in err
     assert f"'{value}'" in err and "must be positive" in err.replace("a positive", "positive"), err
+
+
+def _unwritable(path: Path) -> bool:
+    """Make ``path`` a file this process cannot write: read-only, or immutable where the process is root."""
+    path.write_text("the user's")
+    path.chmod(0o444)
+    with contextlib.suppress(OSError):
+        open(path, "ab").close()
+        # root writes a read-only file: make it immutable if this machine lets us
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
+            return False
+    return True
+
+
+def test_an_existing_output_file_that_cannot_be_written_is_refused_before_any_work(cli, tmp_path):
+    """A rename in a writable folder goes over a read-only file: refused up front, the file kept; before, the
+    command worked to its end, then raised PermissionError (or replaced the file)."""
+    target = tmp_path / "kept.json"
+    if not _unwritable(target):
+        pytest.skip("this machine cannot make a file this process cannot write")
+    try:
+        code, _out, err = cli("plan", "--model", "mlp", "--budget", "60%", "--save", str(target))
+        assert code == 2 and "exists and cannot be written" in err and len(err.strip().splitlines()) == 1, err
+        assert target.read_text() == "the user's"
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], capture_output=True, check=False)
+
+
+def test_a_write_that_fails_after_the_checks_is_one_line(cli, tmp_path, monkeypatch):
+    """The disk filling up as the file is written: one line and exit status 2, no half-written file."""
+    import errno
+
+    def full(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    out = tmp_path / "ledger.json"
+    code, _out, err = cli("trace", "--model", "mlp", "--export-json", str(out))
+    assert code == 2 and "No space left on device" in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainledger.errors import InputError
+
 _POLICY_FILE = Path(__file__).with_name("_policy_file.py")  # read as text, not imported
 _REGIONS_LINE = "REGIONS: list[tuple[str, str, int | None, int, tuple[str, ...]]] = []  # the plan's regions\n"
 _POLICIES_LINE = "POLICIES: dict[str, tuple[frozenset[str], int]] = {}  # the plan's policies\n"
@@ -70,4 +72,8 @@ def export_policy(
 ) -> None:
     """Write ``plan`` to ``path`` as a Python module with ``REGIONS``, ``POLICIES``, ``policy_fn``, ``apply``
     and ``remove``."""
-    Path(path).write_text(policy_source(plan, policies=policies, strided_ops=strided_ops, command=command))
+    source = policy_source(plan, policies=policies, strided_ops=strided_ops, command=command)
+    try:
+        Path(path).write_text(source)
+    except OSError as exc:
+        raise InputError(f"cannot write the policy to {str(path)!r}: {exc.strerror or type(exc).__name__}") from None

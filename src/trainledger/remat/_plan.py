@@ -438,7 +438,10 @@ class Plan:
     def save(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
         """Write :meth:`to_dict` as JSON, with ``extra`` keys beside it (``plan --save``: the named baselines,
         which ``trainledger report`` shows; :meth:`load` reads the plan only)."""
-        Path(path).write_text(json.dumps({**self.to_dict(), **(extra or {})}, indent=2) + "\n")
+        try:
+            Path(path).write_text(json.dumps({**self.to_dict(), **(extra or {})}, indent=2) + "\n")
+        except OSError as exc:
+            raise InputError(f"cannot write the plan to {str(path)!r}: {exc.strerror or type(exc).__name__}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

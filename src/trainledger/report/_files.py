@@ -68,7 +68,23 @@ def check_output_path(
     if out.exists() and not out.is_file():
         raise InputError(f"{what} path {str(path)!r} exists and is not a regular file; pick another path")
     _check_writable(parent, what)
+    if out.is_file():
+        _check_replaceable(out, what)
     return out
+
+
+def _check_replaceable(file: Path, what: str) -> None:
+    """An existing file is replaced only if it could be written: one without write permission (or immutable) is
+    the user's to keep, though a rename in a writable folder would go over it. Opened to append nothing, it is
+    left as it was."""
+    try:
+        with open(file, "ab"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise InputError(
+            f"{what} path {str(file)!r} exists and cannot be written ({reason}); pick another path"
+        ) from None
 
 
 def _check_writable(folder: Path, what: str) -> None:
@@ -87,12 +103,18 @@ def _check_writable(folder: Path, what: str) -> None:
 
 def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> Path:
     """Write through a temporary file in the same folder, then rename: no half-written file is left."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise InputError(f"cannot write {str(path)!r}: {exc.strerror or type(exc).__name__}") from None
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual permissions
         os.replace(tmp, path)
+    except OSError as exc:  # the disk filled up, or the file was made read-only since it was checked
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"cannot write {str(path)!r}: {exc.strerror or type(exc).__name__}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
