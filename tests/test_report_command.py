@@ -354,14 +354,15 @@ def _first_temporary(data: dict) -> int:
         ("plan", _edit("regions", [1, 2]), "a region is an int 1, not an object"),
         ("plan", _edit("regions.0.num_calls", 0), "a region's num_calls 0 must be at least 1"),  # a modulo by zero
         ("plan", _edit("regions.0.call", "1"), "a region's call '1' is a str"),
+        ("estimate", _edit("spec.num_layers", 10**30), "spec.num_layers is 1,000,000,000,000,000,000,000,000,000,000"),
     ],
 )
 def test_hand_edited_files_are_refused_naming_the_value(cli, tmp_path, traced, small_gpt, kind, edit, fragment):
     """A file trainledger wrote, one value edited: refused in one line, never printed as if it were valid."""
     if kind == "ledger":
         data = json.loads(write_ledger_json(traced, tmp_path / "step.json").read_text())
-    elif kind == "trace":
-        data = json.loads(_printed(cli, tmp_path, *DETERMINISTIC["trace"], "--json"))
+    elif kind in ("trace", "estimate", "fit"):
+        data = json.loads(_printed(cli, tmp_path, *DETERMINISTIC[kind], "--json"))
     else:
         data = json.loads(_printed(cli, tmp_path, "plan", "--model", small_gpt, "--budget", "80%", "--json"))
     edit(data)
@@ -370,6 +371,30 @@ def test_hand_edited_files_are_refused_naming_the_value(cli, tmp_path, traced, s
     for json_flag in ((), ("--json",)):
         code, out, err = cli("report", str(path), *json_flag)
         assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and not out, err
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit", "fragment"),
+    [
+        ("ledger", _edit("meta.events_per_phase", None), "AttributeError: 'NoneType' object has no attribute"),
+        ("trace", _edit("largest_live_at_peak.0.name", 7), "NotRenderableError"),
+        ("trace", _edit("largest_live_at_peak.0.dtype", ["bf16"]), "TypeError: unhashable type: 'list'"),
+        ("fit", _edit("fits.0.relative_cost", None), "TypeError: unsupported format string passed to NoneType"),
+    ],
+)
+def test_a_value_of_another_type_is_one_line_when_printed(cli, tmp_path, traced, kind, edit, fragment):
+    """Values the reader passes on as they are (``--json`` gives them back) but the printing cannot show: each
+    was a traceback, after part of the report had been printed. Now one line and nothing printed."""
+    if kind == "ledger":
+        data = json.loads(write_ledger_json(traced, tmp_path / "step.json").read_text())
+    else:
+        data = json.loads(_printed(cli, tmp_path, *DETERMINISTIC[kind], "--json"))
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    code, out, err = cli("report", str(path))
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and not out, err
+    assert "not what trainledger writes there" in err
 
 
 def test_a_pickle_is_refused_and_never_unpickled(cli, tmp_path):

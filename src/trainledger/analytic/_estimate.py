@@ -12,7 +12,7 @@ from trainledger.analytic._config import arch_from_config, load_config_file
 from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
 from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import Setup, setup_from_dict, setup_to_dict
-from trainledger.checks import instance_of, whole_number
+from trainledger.checks import MAX_EXPERTS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, instance_of, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 
@@ -62,7 +62,7 @@ class EstimateResult:
         again (instant, nothing runs) and must give the saved peak, or the file came from another version
         of the model and is refused.
         """
-        spec = ArchSpec(**data["spec"])
+        spec = _saved_spec(data["spec"])
         result = _estimate(spec, setup_from_dict(data["setup"]), int(data["world"]), str(data["stage"]))
         reserved = data.get("allocator")
         result = replace(
@@ -77,6 +77,33 @@ class EstimateResult:
                 "analytic model gives for the same setup; re-run trainledger estimate"
             )
         return result
+
+
+_SAVED_LIMITS = {
+    "num_layers": MAX_LAYERS,
+    "vocab_size": MAX_VOCAB,
+    "learned_positions": MAX_SEQ_LEN,
+    "sliding_window": MAX_SEQ_LEN,
+    "num_experts": MAX_EXPERTS,
+}
+"""The limits a config's sizes have, for those of a saved architecture that are no widths."""
+
+
+def _saved_spec(data: Any) -> ArchSpec:
+    """A saved architecture, its sizes checked as a config's are (a file edited by hand could name 10^30 layers,
+    which the closed form would try to list)."""
+    if not isinstance(data, dict):
+        raise InputError(f"the saved estimate's spec is {type(data).__name__}, not an object; re-run the estimate")
+    for key, value in data.items():
+        limit = _SAVED_LIMITS.get(key, MAX_WIDTH)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limit.value:
+            raise InputError(
+                f"the saved estimate's spec.{key} is {value:,}; from 0 to {limit.value:,} is accepted ({limit.why})"
+            )
+    try:
+        return ArchSpec(**data)
+    except TypeError as exc:
+        raise InputError(f"the saved estimate's spec does not read as one: {exc}; re-run the estimate") from None
 
 
 def read_config(config: Any) -> dict[str, Any]:

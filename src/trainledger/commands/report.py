@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import rich.errors
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from trainledger.commands import estimate, fit, pareto, plan, shard, state, trace
 from trainledger.commands.common import add_json_flag, print_json
+from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.report.saved import RankComparison, Saved, input_files, open_saved
 from trainledger.report.terminal import UNITS_NOTE, both_units, make_console, notes_text, print_renderables
@@ -42,20 +45,33 @@ def run(args: argparse.Namespace) -> int:
 
     inputs = input_files(args.path)
     html = check_output_path(args.html, HTML_SUFFIXES, what="HTML report", protect=inputs) if args.html else None
-    saved = open_saved(args.path)
-    written = [str(write_html(saved, html, protect=inputs))] if html is not None else []
-    if args.json:
-        out = to_dict(saved)
-        out["written"] = written
-        print_json(out)
-        return 0
-    console = make_console()
-    names = ", ".join(str(p) for p in saved.paths[:4]) + (" …" if len(saved.paths) > 4 else "")
-    console.print(Text(f"read {names} ({saved.kind})", style="dim"))
-    render(saved, console)
+    try:
+        saved = open_saved(args.path)
+        written = [str(write_html(saved, html, protect=inputs))] if html is not None else []
+        if args.json:
+            out = to_dict(saved)
+            out["written"] = written
+            print_json(out)
+            return 0
+        console = make_console()
+        names = ", ".join(str(p) for p in saved.paths[:4]) + (" …" if len(saved.paths) > 4 else "")
+        with console.capture() as captured:  # printed once all of it rendered: nothing half-printed on an error
+            console.print(Text(f"read {names} ({saved.kind})", style="dim"))
+            render(saved, console)
+        sys.stdout.write(captured.get())
+    except InputError:
+        raise
+    except _EDITED as exc:  # a file that parses but holds values of other types or sizes than trainledger writes
+        raise InputError(
+            f"{args.path}: a value in it is not what trainledger writes there ({type(exc).__name__}: {exc}); "
+            "give a file as trainledger saved it"
+        ) from exc
     for path in written:
         console.print(f"wrote {path}")
     return 0
+
+
+_EDITED = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, rich.errors.ConsoleError)
 
 
 def to_dict(saved: Saved) -> dict[str, Any]:
