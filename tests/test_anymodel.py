@@ -550,3 +550,15 @@ def test_an_architecture_without_sdpa_says_it_is_built_with_eager_attention(cli,
         "layer's attention probabilities (micro-batch × heads × seq²)"
     ]
     assert said["llama"] == []
+
+
+def test_a_diffusers_config_with_a_size_torch_refuses_is_one_line(cli, tmp_path):
+    pytest.importorskip("diffusers")
+    cfg = json.loads((FIXTURES / "sd15-unet-tiny-diffusers.json").read_text())
+    cfg["block_out_channels"] = [cfg["block_out_channels"][0], -cfg["block_out_channels"][-1]]
+    path = tmp_path / "unet.json"
+    path.write_text(json.dumps(cfg))
+    for fake in ((), ("--fake",)):
+        code, _, err = cli("trace", "--diffusers-config", str(path), "--micro-batch", "1", *fake)
+        assert code == 2 and "diffusers cannot build UNet2DConditionModel" in err and "negative dimension" in err
+        assert len(err.strip().splitlines()) == 1, err

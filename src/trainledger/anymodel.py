@@ -280,7 +280,7 @@ def build_any_model(
                     continue  # no SDPA path for this architecture
                 raise InputError(f"transformers cannot build {cfg.class_name}: {one_line(exc)}") from exc
             except RuntimeError as exc:
-                if type(exc).__name__ in _READS_VALUES:
+                if reads_values(exc):
                     raise  # read a value while built: build_fake builds it again without weights
                 raise InputError(f"transformers cannot build {cfg.class_name}: {one_line(exc)}") from exc
             except (AssertionError, TypeError, KeyError, IndexError, AttributeError) as exc:
@@ -690,6 +690,11 @@ def workload_from_any_config(
 _READS_VALUES = ("DataDependentOutputException", "DynamicOutputShapeException")
 
 
+def reads_values(exc: BaseException) -> bool:
+    """Whether ``exc`` is a fake tensor refusing to give a value (what :func:`build_fake` builds again for)."""
+    return type(exc).__name__ in _READS_VALUES
+
+
 def build_fake(build: Callable[[Any], _Built]) -> tuple[_Built, Any]:
     """``build(mode)`` under a ``FakeTensorMode``, and the mode; a model that reads a tensor's value while it is
     built (``torch.linspace(0, rate, depth).item()``, which fake tensors cannot give) is built again under
@@ -704,7 +709,7 @@ def build_fake(build: Callable[[Any], _Built]) -> tuple[_Built, Any]:
     try:
         return build(mode), mode
     except RuntimeError as exc:
-        if type(exc).__name__ not in _READS_VALUES:
+        if not reads_values(exc):
             raise
     try:
         return build(EmptyWeights()), torch.device("meta")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from trainledger.analytic import Setup, load_config_file
-from trainledger.anymodel import build_fake, one_line
+from trainledger.anymodel import build_fake, one_line, reads_values
 from trainledger.errors import InputError
 from trainledger.hf import optimizer_factory, quiet_transformers
 from trainledger.trace import EmptyWeights
@@ -236,6 +236,10 @@ def workload_from_diffusers_config(
                 return cls.from_config({k: v for k, v in raw.items() if not k.startswith("_")}).train()
             except (TypeError, ValueError) as exc:
                 raise InputError(f"diffusers cannot build {cls.__name__} from {source}: {exc}") from exc
+            except RuntimeError as exc:  # a size torch refuses (a negative channel count)
+                if reads_values(exc):
+                    raise  # build_fake builds it again without weights
+                raise InputError(f"diffusers cannot build {cls.__name__} from {source}: {one_line(exc)}") from exc
 
     inner, made_in = build_fake(build) if fake else (build(None), None)
     batch = _diffusion_batch(inner, raw, setup, side, made_in, seed)
