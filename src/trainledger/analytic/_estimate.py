@@ -137,7 +137,7 @@ def check_positions(spec: ArchSpec, setup: Setup) -> None:
     if spec.learned_positions and setup.seq_len > spec.learned_positions:
         raise InputError(
             f"sequence length {setup.seq_len} exceeds the {spec.learned_positions} learned positions "
-            "(n_positions) of this model"
+            f"(n_positions) of this model; give a sequence of at most {spec.learned_positions} tokens (--seq-len)"
         )
 
 
