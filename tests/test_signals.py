@@ -127,3 +127,40 @@ def test_pareto_leaves_no_solver_process_and_no_temporary_file(tmp_path, signum)
     assert _all_gone(children) == []
     # torch's compiler cache (``torchinductor_<user>``) is kept across runs on purpose: not a temporary file
     assert [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
+_ENTRY = "from trainledger.cli import entry; raise SystemExit(entry())"
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.6, 1.2])
+def test_ctrl_c_while_the_command_line_starts_is_one_line_and_status_130(tmp_path, delay):
+    """While torch and the command's modules load, before any handler of the command's own: before, a
+    KeyboardInterrupt traceback from inside torch's import and death by the signal."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-c", _ENTRY, "trace", "--model", "gpt-tiny"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=env,
+        text=True,
+    )
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip().splitlines() == ["trainledger: interrupted"], err
+
+
+def test_estimate_imports_no_torch(tmp_path):
+    """The closed form reads the JSON itself: the command starts in a fraction of the time torch takes to load."""
+    config = Path(__file__).parent / "fixtures" / "hf" / "llama-3-8b.json"
+    check = "import sys\nfrom trainledger.cli import entry\ncode = entry()\n"
+    check += "assert 'torch' not in sys.modules\nraise SystemExit(code)"
+    done = subprocess.run(
+        [sys.executable, "-c", check, "estimate", "--hf-config", str(config), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr

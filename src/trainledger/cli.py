@@ -5,18 +5,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import re
 import signal
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from trainledger import __version__
-from trainledger.commands import demo, estimate, fit, pareto, plan, report, shard, state, trace
 from trainledger.commands.common import stdout_for_json_only
 from trainledger.errors import InputError
 from trainledger.signals import Terminated, exit_status, stop_children, terminating_signals_raise
 
-COMMANDS = (demo, state, trace, shard, plan, pareto, estimate, fit, report)
+COMMANDS = ("demo", "state", "trace", "shard", "plan", "pareto", "estimate", "fit", "report")
+"""The subcommands, in the order ``--help`` lists them; each is a module of :mod:`trainledger.commands`, imported
+when the command line names it (``estimate`` and ``fit`` then never import torch) or asks for help."""
+
+
+def _command(name: str) -> ModuleType:
+    return importlib.import_module(f"trainledger.commands.{name}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,15 +39,16 @@ class _Parser(argparse.ArgumentParser):
 _SAYS_WHAT_WOULD_DO = re.compile(r"accepted|choose from|must|give|e\.g\.|at (least|most)|use ")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every subcommand, or with ``only`` (one of :data:`COMMANDS`) that one alone."""
     parser = _Parser(
         prog="trainledger",
         description="What occupies memory at the peak instant of a PyTorch training step, and why.",
     )
     parser.add_argument("--version", action="version", version=f"trainledger {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name in (only,) if only in COMMANDS else COMMANDS:
+        _command(name).add_parser(sub)
     return parser
 
 
@@ -76,8 +84,8 @@ def _dash_values_joined(parser: argparse.ArgumentParser, given: list[str]) -> li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(given[0] if given else None)
     if given and given[0] in _CONFIG_ONLY and any(a == "--model" or a.startswith("--model=") for a in given):
         _subparsers(parser)[given[0]].error(  # argparse would only say that --hf-config is missing
             f"{given[0]} works from a Hugging Face config (--hf-config PATH), not from a model; for your own "
@@ -115,7 +123,11 @@ def entry() -> int:
     every object torch and transformers made (a full collection as the interpreter shuts down: 2 s of CPU
     after a trace of a Hugging Face model on this machine, a sixth of the command). Called in a process
     that goes on (a test, a notebook), use :func:`main`: frozen objects are never collected."""
-    status = main()
+    try:
+        status = main()
+    except KeyboardInterrupt:  # before the command's own handler: while torch or transformers loaded
+        sys.stderr.write("trainledger: interrupted\n")
+        return exit_status(signal.SIGINT)
     gc.freeze()
     return status
 
