@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +165,15 @@ def test_a_gpt2_with_cross_attention_is_refused_by_the_closed_form_and_traced_wh
     traced = cli_json("trace", "--hf-config", str(path), "--seq-len", "16", "--micro-batch", "1", "--fake")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg, add_cross_attention=True))
     assert traced["num_params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_a_config_that_is_no_regular_file_or_far_too_large_is_refused_unread(tmp_path):
+    """``/dev/zero`` was read until the process ran out of memory."""
+    if Path("/dev/zero").exists():
+        with pytest.raises(InputError, match="is not a regular file"):
+            load_config_file("/dev/zero")
+    big = tmp_path / "config.json"
+    with big.open("wb") as f:
+        f.truncate(17 * 2**20)  # sparse: nothing is written
+    with pytest.raises(InputError, match=r"17,825,792 bytes; a config\.json is a few KB"):
+        load_config_file(big)

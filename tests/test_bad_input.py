@@ -148,6 +148,12 @@ CASES = st.one_of(
     st.just(case(["state", "--params", "1e9", "--no-step"], "--no-step")),
     st.just(case(["state", "--model", "mlp", "--params", "5"], "--model", "--params")),
     st.just(case(["state"], "--model")),
+    st.sampled_from(["sgd"]).map(
+        lambda o: case(["state", "--params", "1e9", "--optimizer", o, "--moments", "bf16"], "--moments")
+    ),
+    st.sampled_from(["1,,2", "1,2,", ",4"]).map(
+        lambda m: case(["fit", "--hf-config", LLAMA, "--device-memory", "2GiB", "--micro-batches", m], m)
+    ),
     # user model files that are wrong in every way
     WORD.filter(str.isidentifier).map(
         lambda f: case(["state", f"--model=mine.py:{f}"], f, files={"mine.py": "X = 1\n"})

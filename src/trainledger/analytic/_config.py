@@ -104,6 +104,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+_MAX_CONFIG_BYTES = 16 * 2**20
+"""The largest config file read: the largest published config.json files are tens of KB."""
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """The JSON object in ``path`` (a ``config.json`` or a folder holding one). Nothing is downloaded."""
     if not isinstance(path, (str, os.PathLike)):
@@ -117,6 +121,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             )
     if not p.exists():
         raise InputError(f"config {str(path)!r}: no such file (give a config.json or a folder holding one)")
+    if not p.is_file():  # /dev/zero, a pipe: read whole, it would never end
+        raise InputError(f"config {str(path)!r} is not a regular file; give a config.json")
+    if p.stat().st_size > _MAX_CONFIG_BYTES:
+        raise InputError(
+            f"config {str(path)!r} is {p.stat().st_size:,} bytes; a config.json is a few KB (at most "
+            f"{_MAX_CONFIG_BYTES:,} bytes are read): give a model's config.json"
+        )
     try:
         raw = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

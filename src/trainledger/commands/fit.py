@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def compute(args: argparse.Namespace) -> FitResult:
     try:
-        mbs = tuple(sorted({int(x) for x in args.micro_batches.split(",") if x.strip()}))
+        mbs = tuple(sorted({int(x) for x in args.micro_batches.split(",")}))  # an empty entry is no number
     except ValueError:
         raise InputError(f"--micro-batches {args.micro_batches!r}: give whole numbers separated by commas") from None
     if not mbs or min(mbs) < 1:

@@ -63,7 +63,10 @@ def spec_flags_given(args: argparse.Namespace) -> list[str]:
 def spec_from_args(args: argparse.Namespace) -> StateSpec:
     """The :class:`StateSpec` the flags of :func:`add_spec_flags` describe (unset flags take its defaults)."""
     given = {k: getattr(args, k) for k in SPEC_FLAGS if getattr(args, k) is not None}
-    return StateSpec(num_params=args.params, **given)
+    spec = StateSpec(num_params=args.params, **given)
+    if "moments" in given and not OPTIMIZER_ARRAYS[spec.optimizer]:
+        raise InputError(f"--moments sets the precision of optimizer state, and {spec.optimizer} keeps none: drop it")
+    return spec
 
 
 def compute(args: argparse.Namespace) -> StateResult:
