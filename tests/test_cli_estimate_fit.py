@@ -198,9 +198,9 @@ def test_a_config_of_another_head_is_refused_not_estimated_as_a_causal_lm(cli, t
     assert len(err.strip().splitlines()) == 1
 
 
-def test_a_config_that_is_a_device_is_read_not_called_missing(cli):
+def test_a_config_that_is_a_device_is_refused_unread_not_called_missing(cli):
     code, _, err = cli("estimate", "--hf-config", "/dev/null")
-    assert code == 2 and "is not valid JSON" in err and "no such file" not in err
+    assert code == 2 and "is not a regular file" in err and "no such file" not in err
 
 
 @pytest.mark.parametrize(
