@@ -148,6 +148,13 @@ CASES = st.one_of(
     st.just(case(["state", "--params", "1e9", "--no-step"], "--no-step")),
     st.just(case(["state", "--model", "mlp", "--params", "5"], "--model", "--params")),
     st.just(case(["state"], "--model")),
+    st.sampled_from(["trace", "state", "plan"]).map(
+        lambda c: case(
+            [c, "--model", "coro.py:make", *(("--budget", "50%") if c == "plan" else ())],
+            "returned coroutine",
+            files={"coro.py": "async def make():\n    return 1\n"},
+        )
+    ),
     st.sampled_from(["sgd"]).map(
         lambda o: case(["state", "--params", "1e9", "--optimizer", o, "--moments", "bf16"], "--moments")
     ),

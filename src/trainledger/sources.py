@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,9 +100,13 @@ def load_workload(spec: str) -> Workload:
         with _users_code(f"{factory_name}()"):
             workload = factory()
     if not isinstance(workload, Workload):
+        hint = ""
+        if inspect.iscoroutine(workload):
+            workload.close()  # never awaited: closed, so Python prints no warning of its own
+            hint = " (an async def factory returns a coroutine: make it a plain def)"
         raise InputError(
             f"{factory_name}() returned {type(workload).__name__}; "
-            "it must return trainledger.Workload(model, batch, ...)"
+            f"it must return trainledger.Workload(model, batch, ...){hint}"
         )
     workload.name = workload.name or f"{path.name}:{factory_name}"
     return workload

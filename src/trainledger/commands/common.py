@@ -163,6 +163,8 @@ def positive_int(*, minimum: int = 1) -> Callable[[str], int]:
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above zero (bandwidths, rates, seconds)."""
     value = float(text) if _NUMBER.match(text) else None
+    if value is not None and math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is too large to be a number here; give e.g. 400 or 2.5")
     if value is None or not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0; give e.g. 400 or 2.5")
     return value
