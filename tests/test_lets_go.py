@@ -86,3 +86,23 @@ CASES: dict[str, Callable[[Path], list[Any]]] = {
 def test_the_model_goes_when_the_user_lets_go(case: str, tmp_path: Path, no_collection: None) -> None:
     refs = [weakref.ref(x) for x in CASES[case](tmp_path)]
     assert [type(r()).__name__ for r in refs if r() is not None] == []
+
+
+def test_a_recording_kept_to_read_keeps_neither_the_model_nor_its_optimizer(no_collection: None) -> None:
+    """A notebook keeps ``rec`` and trains a new model: the old one and its optimizer state went only when
+    ``rec`` did (on a GPU, all of their memory). The ledgers stay readable; entering again is one line."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters())
+    with record(model, opt) as rec:
+        model(torch.randn(5, 6)).square().mean().backward()
+        opt.step()
+    peak = rec.peak().bytes
+    refs = [weakref.ref(model), weakref.ref(opt)]
+    del model, opt
+    assert [r() for r in refs] == [None, None]
+    assert rec.ledger(step=0).peak().bytes == peak > 0
+    from trainledger import InputError
+
+    with pytest.raises(InputError, match="has been freed; make a new record"):
+        rec.__enter__()
+    assert not rec.running

@@ -30,6 +30,7 @@ import gc
 import itertools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -126,7 +127,7 @@ class CompiledRegions:
     """
 
     def __init__(self, model: nn.Module, tracer: Callable[[], Any]) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # a recording kept after its loop must not keep the model alive
         self.tracer = tracer
         self.regions: list[Region] = []
         self._paths = _paths(model)
@@ -135,6 +136,12 @@ class CompiledRegions:
         self.eager_functions = 0
         """Calls of compiled functions (``torch.compile(fn)``, not of a module) in the step traced now: they ran
         eagerly under the tracer."""
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        assert model is not None, "used only while its recording runs, which holds the model"
+        return model
 
     def __enter__(self) -> CompiledRegions:
         self.patch()

@@ -224,8 +224,12 @@ class Recording(contextlib.ContextDecorator):
                 "record() was given the same optimizer twice; give each optimizer once (a step ends when each has "
                 "stepped)"
             )
-        self.model = model
-        self.optimizers = optimizers
+        # held weakly but while the loop runs inside: a recording kept to read its ledgers must not keep the model
+        # and its optimizer state alive (on a GPU, all of its memory) once the loop has let go of them
+        self._model = weakref.ref(model)
+        self._optimizers = tuple(weakref.ref(o) for o in optimizers)
+        self._held: tuple[nn.Module, tuple[torch.optim.Optimizer, ...]] | None = None
+        self._device = _model_device(model)
         self.selected = _selection(steps)
         self.name = name or type(model).__name__
         self.kernel_workspace = kernel_workspace
@@ -254,6 +258,14 @@ class Recording(contextlib.ContextDecorator):
                 f"another record(...) is running (of {_RUNNING[-1].name}); one record runs at a time (each step's "
                 "tracer is a dispatch mode): leave it before entering this one"
             )
+        model, optimizers = self._model(), tuple(ref() for ref in self._optimizers)
+        if model is None or any(o is None for o in optimizers):
+            raise InputError(
+                "the model or an optimizer this record(...) was made for has been freed; make a new record(model, "
+                "optimizer) for the ones the loop trains"
+            )
+        self._held = (model, optimizers)  # type: ignore[assignment]
+        self._device = _model_device(model)
         self._entered = True
         try:
             # what the optimizers train beside the model (a soft prompt): found once, not at every step
@@ -294,6 +306,28 @@ class Recording(contextlib.ContextDecorator):
         self._entered = False
         if self in _RUNNING:
             _RUNNING.remove(self)
+        if self._held is not None:
+            self._device = _model_device(self._held[0])
+        self._held = None
+        self._beside = []
+        self._compiled = []
+
+    @property
+    def model(self) -> nn.Module:
+        """The recorded model (while the loop runs inside ``record``; after, while anything else holds it)."""
+        model = self._held[0] if self._held is not None else self._model()
+        if model is None:
+            raise InputError("the recorded model has been freed; its ledgers are still here (rec.ledger(step))")
+        return model
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        if self._held is not None:
+            return self._held[1]
+        held = tuple(ref() for ref in self._optimizers)
+        if any(o is None for o in held):
+            raise InputError("an optimizer of this record(...) has been freed; its ledgers are still here")
+        return held  # type: ignore[return-value]
 
     # --- hooks ----------------------------------------------------------------------------------
 
@@ -492,7 +526,7 @@ class Recording(contextlib.ContextDecorator):
         if step not in self._ledgers or type(step) is not int:  # True and 1.0 are keys equal to 1
             raise InputError(f"step {step!r} was not recorded; recorded steps: {list(self.steps)}")
         led = self._ledgers[step]
-        return _on_device(led, _model_device(self.model) if device is None else _named_device(led, device))
+        return _on_device(led, self._device if device is None else _named_device(led, device))
 
     def peak(self) -> Peak:
         """The highest peak over the recorded steps (its ``event`` is on that step's clock; see
