@@ -626,3 +626,25 @@ def test_nested_tensors_in_the_step_and_held_by_the_loop_are_recorded_and_traini
     held = [e for e in rec.ledger(step=0).entries if e.role == "held" and e.dtype == "float64"]
     assert [(e.shape, e.nbytes) for e in held] == [((35,), 280)]
     assert rec.steps == (0, 1)
+
+
+def test_a_profiler_of_the_users_around_record_keeps_its_events() -> None:
+    """Measuring the buffers a convolution allocates inside its op starts a profiler, which ended the user's and
+    lost what it had recorded (profilers do not nest). Under the user's profiler they are left out, and the
+    ledger says so."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainledger.trace import CALLERS_PROFILER_NOTE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(24, 1))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(2, 3, 8)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, record(model, opt) as rec:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    ops = [e.name() for e in prof.profiler.kineto_results.events()]
+    assert ops.count("aten::convolution") >= 2  # both steps' convolutions, in the user's profile
+    assert all(CALLERS_PROFILER_NOTE in rec.ledger(step=k).notes for k in rec.steps)

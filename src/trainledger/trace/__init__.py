@@ -61,6 +61,7 @@ from trainledger.trace._tracer import ProgressFn, StepTracer, active_tracer
 from trainledger.workload import Workload, iter_tensors, quiet_gc, require_workload, run_step, user_errors
 
 __all__ = [
+    "CALLERS_PROFILER_NOTE",
     "KERNEL_INTERNAL",
     "PROBED_OPS",
     "RESTORED_NOTE",
@@ -445,9 +446,20 @@ def _whole_stack(
     return ledger.with_entries(ledger.entries, notes=(note, *ledger.notes), meta=meta)
 
 
+CALLERS_PROFILER_NOTE = (
+    "the buffers CPU kernels allocate inside one op are not counted: a profiler of the caller's was running, and "
+    "measuring them starts one of trainledger's, which would end it (PyTorch's profilers do not nest); the peak "
+    "may be below the allocator's by those buffers"
+)
+
+
 def with_kernel_workspace(ledger: Ledger, kernels: list[tuple[int, str, str, KernelCall | None]]) -> Ledger:
     """``ledger`` with the buffers the kernels of ``kernels`` (a tracer's ``kernel_calls``) allocate inside one
-    op, each measured by running the call once more alone (evidence ``measured``)."""
+    op, each measured by running the call once more alone (evidence ``measured``). Under a profiler of the
+    caller's they are not measured, and a note says so: PyTorch's profilers do not nest, and starting one to
+    measure would end the caller's and lose what it recorded."""
+    if kernels and torch._C._autograd._profiler_enabled():
+        return ledger.with_entries(ledger.entries, notes=(*ledger.notes, CALLERS_PROFILER_NOTE))
     entries, counts = kernel_entries(kernels)
     notes = tuple(_kernel_note(len(entries), counts) if n == LIMITATIONS else n for n in ledger.notes)
     return ledger.with_entries((*ledger.entries, *entries), notes=notes)
