@@ -648,3 +648,32 @@ def test_a_profiler_of_the_users_around_record_keeps_its_events() -> None:
     ops = [e.name() for e in prof.profiler.kineto_results.events()]
     assert ops.count("aten::convolution") >= 2  # both steps' convolutions, in the user's profile
     assert all(CALLERS_PROFILER_NOTE in rec.ledger(step=k).notes for k in rec.steps)
+
+
+def test_what_a_module_around_the_model_makes_is_not_the_loops_input() -> None:
+    """DDP's wrapper makes its gradient buckets in its forward, before it calls the recorded model: they are
+    not what the loop prepared (they were named ``loop_input``); the targets the loop made before are."""
+
+    class Wrapper(nn.Module):  # as DistributedDataParallel does: buckets made, then the module called
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+            self.bucket: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.bucket is None:
+                self.bucket = torch.zeros(sum(p.numel() for p in self.inner.parameters()))
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    wrapped = Wrapper(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt) as rec:
+        y = torch.randint(0, 3, (4,))
+        nn.functional.cross_entropy(wrapped(torch.randn(4, 5)), y).backward()
+        opt.step()
+    led = rec.ledger(step=0)
+    bucket = 4 * sum(p.numel() for p in model.parameters())
+    assert [e.nbytes for e in led.entries if e.role == "loop_input"] == [32]  # the int64 targets
+    assert [e.category for e in led.entries if e.nbytes == bucket and e.alloc_event is not None] == [Category.WORKSPACE]

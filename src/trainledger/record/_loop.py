@@ -124,7 +124,8 @@ class _LoopTracer(StepTracer):
 
     def mark_prepared(self) -> None:
         """As the model is called: name each storage the loop made since the last op that ran in forward (a
-        module's, or the loss's) or in backward, and still holds, as the step's input (role ``loop_input``).
+        module's, or the loss's) or in backward, and still holds, as the step's input (role ``loop_input``), up to
+        the call of a module around the model (DDP's wrapper).
         Between those ops runs only the loop's own code: loading the next micro-batch, ``zero_grad``; not what
         an optimizer's step makes between the calls its closure makes (L-BFGS's history)."""
         if self.in_optimizer:
@@ -133,8 +134,10 @@ class _LoopTracer(StepTracer):
         began = len(ops)
         while began > self.optimizer_ended and ops[began - 1][0] not in ("forward", "backward"):
             began -= 1
+        # what a module around the model made once it was called (DDP's gradient buckets) is that module's
+        ended = self.scopes.outer_call_began if self.scopes.outer_call_began >= began else len(ops)
         for rec in self.storages.values():
-            if rec.category is None and rec.alloc_event is not None and rec.alloc_event >= began:
+            if rec.category is None and rec.alloc_event is not None and began <= rec.alloc_event < ended:
                 rec.category, rec.role = Category.INPUTS, "loop_input"
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,9 @@ class ModuleScopes:
                     self.param_owner.setdefault(id(p), path)
         self.stack: list[str] = []
         self.calls: list[_Call] = []
+        self.outer_call_began = -1
+        """The event clock when a module outside the model was last called outside the model's modules (DDP's
+        wrapper, which makes its gradient buckets before it calls the model; a loss module): ``-1``, none."""
         self.recomputed: dict[str, None] = {}
         """The outermost modules called while backward ran (the model's own activation checkpointing)."""
         self._call_stack: list[int] = []
@@ -145,6 +148,8 @@ class ModuleScopes:
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self.names.get(id(module))
         if name is None:
+            if not self.stack:  # a module outside the model (DDP's wrapper, a loss module), called at the top
+                self.outer_call_began = self.clock()
             return
         self.stack.append(name)
         backward = in_backward()
