@@ -29,6 +29,7 @@ CASES = [
     ("routed_experts", 3),  # the root's final reduce-scatter: the loss and its seed are still held
     ("routed_experts", 1),  # the loss gone as the optimizer begins, whatever the rank's parameter order
     ("parameter_chain", 3),  # a ParameterList: parameters of the root, not units
+    ("mixed_dtype", 3),  # a bf16 unit of an fp32 model reduce-scatters bf16 gradients
 ]
 
 

@@ -78,7 +78,7 @@ def step_collectives(ctx: Context) -> list[Collective]:
         if not tr:
             return
         label = unit or "<root>"
-        g = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n for p in tr) * gsize
+        g = sum(shard_rows(p.numel, p.shape, n, 0, "dim0")[0] * n for p in tr) * dtype_bytes(ctx.unit_grad_dtype(unit))
         out.append(Collective("reduce_scatter", "backward", f"grads of {label}", g, n))
         if plan.replicas > 1:
             out.append(Collective("all_reduce", "backward", f"grad shards of {label}", g // n, plan.replicas))

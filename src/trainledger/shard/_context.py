@@ -156,6 +156,13 @@ class Context:
         held, actual = shard_rows(like.numel, like.shape, self.plan.shard_size, rank, self.plan.partition)
         return actual if real else held
 
+    def unit_grad_dtype(self, unit: str) -> str:
+        """The dtype of ``unit``'s gradients, what its reduce-scatter carries (a bf16 unit of an fp32 model reduces
+        bf16); the model's (:meth:`grad_dtype_bytes`) where the ledger names none of them."""
+        trained = {f"{p.name}.grad" for p in self.unit_params().get(unit, ()) if p.category == Category.WEIGHTS}
+        own = [e.dtype for e in self.ledger.entries if e.category == Category.GRADIENTS and e.name in trained]
+        return own[0] if own else self.grad_dtype_bytes()[0]
+
     def grad_dtype_bytes(self) -> tuple[str, int]:
         """``(dtype, bytes per element)`` of the model's gradients (of its parameters when none is listed)."""
         grads = [e for e in self.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]

@@ -289,14 +289,14 @@ def _backward_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes, backward: 
 def _reduce_scatter_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes) -> list[Entry]:
     """Each post-backward's reduce-scatter input, one in flight (it lives until the next post-backward or
     the end of backward), and gloo's full-size copy of it during the call."""
-    dtype, size = ctx.grad_dtype_bytes()
     posted = [u for u in ctx.unit_params() if ("post_backward", u) in clock.at]
     order = sorted(posted, key=lambda u: clock.at[("post_backward", u)])
     out: list[Entry] = []
     for k, u in enumerate(order):
         label, c = u or "<root>", clock.at[("post_backward", u)]
         nxt = clock.at[("post_backward", order[k + 1])] if k + 1 < len(order) else clock.end_backward
-        nbytes = sizes.grad_numel[u] * size
+        dtype = ctx.unit_grad_dtype(u)
+        nbytes = sizes.grad_numel[u] * dtype_bytes(dtype)
         out += clock.window(f"reduce-scatter input {label}", _COMM, "reduce_scatter_input", dtype, nbytes, c, nxt)
         if ctx.config.reduce_scatter_copy:
             out += clock.window(
