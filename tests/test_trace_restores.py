@@ -56,3 +56,46 @@ def test_trace_of_a_fresh_optimizer_leaves_it_without_state() -> None:
     trace(w)
     assert not w.get_optimizer().state  # AdamW's lazily made moments are gone again
     assert torch.equal(model.weight, weights) and model.weight.grad is None
+
+
+class _Drifting(nn.Module):
+    """Reassigns a buffer in forward (an EMA kept out of place), draws from a generator of its own, Python's
+    and NumPy's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("ema", torch.zeros(6))
+        self.noise = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        h = self.linear(x + torch.randn(x.shape, generator=self.noise) * random.random() * float(np.random.rand()))
+        self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        return h
+
+
+def test_a_parameter_beside_the_model_a_reassigned_buffer_and_other_generators_are_given_back():
+    """Each was left changed by the two steps a trace runs: a temperature the optimizer trains but the model does
+    not hold stayed stepped (its Adam state reset), the module held the traced step's EMA, and the generators
+    other than torch's default had moved on."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _Drifting()
+    temperature = nn.Parameter(torch.ones(6))
+    opt = torch.optim.Adam([*model.parameters(), temperature], lr=0.1)
+    w = Workload(model, torch.randn(4, 6), loss_fn=lambda out, _b: (out / temperature).square().mean(), optimizer=opt)
+    run_step(w)  # the optimizer's state exists before the trace
+    ema, before = model.ema, snapshot(model, opt)
+    others = (temperature.detach().clone(), model.noise.get_state(), random.getstate(), np.random.get_state()[1].copy())
+    assert RESTORED_NOTE in trace(w).notes
+    assert_same(snapshot(model, opt), before)
+    assert model.ema is ema
+    assert torch.equal(temperature, others[0]) and torch.equal(model.noise.get_state(), others[1])
+    assert random.getstate() == others[2] and (np.random.get_state()[1] == others[3]).all()

@@ -10,6 +10,9 @@ and written back in place, so references the user holds to parameters or optimiz
 from __future__ import annotations
 
 import copy
+import random
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +39,32 @@ class TrainingState:
     """Per optimizer: its state per parameter (tensors as host copies) and its groups' settings."""
     cpu_rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
+    generators: list[tuple[Callable[[Any], Any], Any]]
+    """``(what sets its state, the state)`` for the other generators a step may draw from: Python's ``random``, NumPy's
+    global one (when NumPy is loaded), and ``torch.Generator`` objects the modules hold."""
+    slots: list[tuple[dict[str, Any], str, Any]]
+    """``(a module's _parameters or _buffers, name, what it held)``: a forward that assigns a new tensor to a
+    buffer (``self.ema = 0.9 * self.ema + ...``) leaves the module holding another object, put back too."""
 
     @classmethod
     def of(cls, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> TrainingState:
         seen: set[int] = set()
         tensors, grads = [], []
-        for module in modules:
-            for t in [*module.parameters(), *module.buffers()]:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    tensors.append((t, _host_copy(t)))
-                    if isinstance(t, nn.Parameter):
-                        grads.append((t, None if t.grad is None else _host_copy(t.grad)))
+        slots = [
+            (table, name, value)
+            for module in modules
+            for sub in module.modules()
+            for table in (sub._parameters, sub._buffers)
+            for name, value in table.items()
+        ]
+        # the parameters the optimizers train beside the modules (a temperature only the loss reads) too
+        trained = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        for t in [*(t for module in modules for t in [*module.parameters(), *module.buffers()]), *trained]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors.append((t, _host_copy(t)))
+                if isinstance(t, nn.Parameter):
+                    grads.append((t, None if t.grad is None else _host_copy(t.grad)))
         opts = [
             (
                 opt,
@@ -60,10 +77,13 @@ class TrainingState:
             for opt in optimizers
         ]
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(tensors, grads, opts, torch.get_rng_state(), cuda)
+        return cls(tensors, grads, opts, torch.get_rng_state(), cuda, _other_generators(modules), slots)
 
     @torch.no_grad()
     def restore(self) -> None:
+        for table, name, value in self.slots:
+            if table.get(name) is not value:
+                table[name] = value
         for live, saved in self.tensors:
             local_tensor(live).copy_(saved)
         for p, g in self.grads:
@@ -78,6 +98,24 @@ class TrainingState:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        for set_state, state in self.generators:
+            set_state(state)
+
+
+def _other_generators(modules: list[nn.Module]) -> list[tuple[Callable[[Any], Any], Any]]:
+    """``(what sets a generator's state, the state now)`` for Python's ``random``, NumPy's global generator (when
+    NumPy is loaded) and each ``torch.Generator`` a module holds."""
+    found: list[tuple[Callable[[Any], Any], Any]] = [(random.setstate, random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        found.append((numpy.random.set_state, numpy.random.get_state()))
+    held = {id(v): v for m in modules for sub in m.modules() for v in vars(sub).values() if _is_generator(v)}
+    found += [(g.set_state, g.get_state()) for g in held.values()]
+    return found
+
+
+def _is_generator(value: object) -> bool:
+    return isinstance(value, torch.Generator)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
