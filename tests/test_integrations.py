@@ -87,7 +87,7 @@ def test_hf_trainer_callback_records_a_step(tmp_path: Path) -> None:
 
 
 class _Raised(RuntimeError):
-    pass
+    """The user's error, raised inside the training run."""
 
 
 def test_hf_trainer_callback_leaves_nothing_running_when_training_raises(tmp_path: Path) -> None:

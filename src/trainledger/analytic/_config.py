@@ -373,9 +373,7 @@ def _rotary_fraction(cfg: dict[str, Any], rotary: tuple[str, float]) -> float:
     if not key:
         return 1.0
     named = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    rope = cfg.get(named) or {}
-    if not isinstance(rope, dict):
-        raise InputError(f"config key {named!r} is {rope!r}; it must be an object of rope settings")
+    rope = cfg.get(named) or {}  # an object: _rotary_dim checked it
     where = f"{named}.partial_rotary_factor" if "partial_rotary_factor" in rope else key
     value = rope["partial_rotary_factor"] if "partial_rotary_factor" in rope else cfg.get(key, default)
     if value is None:

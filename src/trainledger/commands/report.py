@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(Text(f"read {names} ({saved.kind})", style="dim"))
             render(saved, console)
         sys.stdout.write(captured.get())
-    except InputError:
+    except InputError:  # a ValueError too: the reader's own one line, as it is
         raise
     except _EDITED as exc:  # a file that parses but holds values of other types or sizes than trainledger writes
         raise InputError(

@@ -32,11 +32,12 @@ from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.remat._policy_file import _STATE as POLICY_STATE
 from trainledger.remat._policy_file import (
+    OWN_CHECKPOINTING,
     PLAN_STATE,
     cache_back,
     cache_off,
+    checkpointed_call,
     checkpoints_its_layers,
-    each_tensor_once,
     on_a_copy_when_recomputed,
     running_statistics,
 )
@@ -308,11 +309,7 @@ class Plan:
         if _HOOK in model.__dict__:
             raise InputError("the model already runs under a plan; remove that plan first")
         if checkpoints_its_layers(model):
-            raise InputError(
-                "the model checkpoints its own layers (transformers' gradient checkpointing is on), inside which a "
-                "region would be recomputed twice over and backward fails; turn it off before applying a plan "
-                "(model.gradient_checkpointing_disable(), activation_checkpointing_disable() in transformers 5)"
-            )
+            raise InputError(OWN_CHECKPOINTING)
         by_path: dict[str, list[Region]] = {}
         for r in self.regions:
             by_path.setdefault(r.path, []).append(r)
@@ -591,6 +588,8 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         {r.call: r for r in regions},
         max(r.num_calls for r in regions),
     )
+    # the buffers each region recomputes on a copy of: a region written without them, its running statistics
+    restores = {r.call: r.restore or running_statistics(module, r.path) for r in regions}
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -602,16 +601,11 @@ def _wrap(model: nn.Module, module: nn.Module, regions: list[Region]) -> _Wrappe
         if region is None or not torch.is_grad_enabled():  # not this call; or nothing to save (no_grad)
             return inner(*args, **kwargs)
         st.ran[region.call] = st.ran.get(region.call, 0) + 1
-        restore = region.restore or running_statistics(module, region.path)
+        restore = restores[region.call]
         fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
         context_fn = _context_fn(region.policy)
         extra = {} if context_fn is None else {"context_fn": context_fn, **_sac_hooks_argument()}
-        once = each_tensor_once(fn, args, kwargs)
-        if once is not None:
-            (fn, args), kwargs = once, {}
-        if kwargs:  # bound here: checkpoint keeps keywords of its own (debug, early_stop, ...) from the module
-            fn, kwargs = functools.partial(fn, **kwargs), {}
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(*checkpointed_call(fn, args, kwargs), use_reentrant=False, preserve_rng_state=True, **extra)
 
     module.__dict__[_STATE] = st
     module.__dict__["forward"] = forward

@@ -127,11 +127,7 @@ def apply(model: nn.Module) -> None:
         if {_STATE, PLAN_STATE} & model.get_submodule(path).__dict__.keys():
             raise RuntimeError(f"module {path!r} already runs under a plan or policy; remove it first")
     if checkpoints_its_layers(model):
-        raise RuntimeError(
-            "the model checkpoints its own layers (transformers' gradient checkpointing is on), inside which a region "
-            "would be recomputed twice over and backward fails; turn it off first (model.gradient_checkpointing_"
-            "disable(), activation_checkpointing_disable() in transformers 5)"
-        )
+        raise RuntimeError(OWN_CHECKPOINTING)
     cache_off(model)
     states = [_wrap(model, model.get_submodule(path), regions) for path, regions in by_path.items()]
     model.__dict__[_HOOK] = model.register_forward_pre_hook(_RestartCounts(states))
@@ -201,6 +197,8 @@ def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple])
         num_calls=max(r[3] for r in regions.values()),
         count=0,
     )
+    # the buffers each region recomputes on a copy of: a region written without them, its running statistics
+    restores = {r[2]: r[4] or running_statistics(module, r[0]) for r in regions.values()}
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -211,20 +209,34 @@ def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple])
         region = regions.get(index, regions.get(None))
         if region is None or not torch.is_grad_enabled():  # not this call, or nothing to save
             return inner(*args, **kwargs)
-        path, policy, _call, _num_calls, restore = region
-        restore = restore or running_statistics(module, path)
+        _path, policy, call, _num_calls, _restore = region
+        restore = restores[call]
         fn = on_a_copy_when_recomputed(model, restore, inner) if restore else inner
         extra = {} if policy == "full" else {"context_fn": functools.partial(context_fn, policy), **_SAC_EXTRA}
-        once = each_tensor_once(fn, args, kwargs)
-        if once is not None:
-            (fn, args), kwargs = once, {}
-        if kwargs:  # bound here: checkpoint keeps keywords of its own (debug, early_stop, ...) from the module
-            fn, kwargs = functools.partial(fn, **kwargs), {}
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(*checkpointed_call(fn, args, kwargs), use_reentrant=False, preserve_rng_state=True, **extra)
 
     module.__dict__[_STATE] = state
     module.__dict__["forward"] = forward
     return state
+
+
+def checkpointed_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``fn`` and the positional arguments to give ``checkpoint`` for ``fn(*args, **kwargs)``: each tensor passed
+    once (:func:`each_tensor_once`), and the keywords bound here, since ``checkpoint`` keeps keywords of its own
+    (``debug``, ``early_stop``, ``use_reentrant``) from the function it runs."""
+    once = each_tensor_once(fn, args, kwargs)
+    if once is not None:
+        (fn, args), kwargs = once, {}
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
+    return (fn, *args)
+
+
+OWN_CHECKPOINTING = (
+    "the model checkpoints its own layers (transformers' gradient checkpointing is on), inside which a region would "
+    "be recomputed twice over and backward fails; turn it off first (model.gradient_checkpointing_disable(), "
+    "activation_checkpointing_disable() in transformers 5)"
+)
 
 
 def each_tensor_once(

@@ -78,8 +78,7 @@ def _check_replaceable(file: Path, what: str) -> None:
     the user's to keep, though a rename in a writable folder would go over it. Opened to append nothing, it is
     left as it was."""
     try:
-        with open(file, "ab"):
-            pass
+        open(file, "ab").close()  # opened to see whether it can be, and closed at once
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise InputError(

@@ -109,13 +109,11 @@ def _other_generators(modules: list[nn.Module]) -> list[tuple[Callable[[Any], An
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         found.append((numpy.random.set_state, numpy.random.get_state()))
-    held = {id(v): v for m in modules for sub in m.modules() for v in vars(sub).values() if _is_generator(v)}
+    held = {
+        id(v): v for m in modules for sub in m.modules() for v in vars(sub).values() if isinstance(v, torch.Generator)
+    }
     found += [(g.set_state, g.get_state()) for g in held.values()]
     return found
-
-
-def _is_generator(value: object) -> bool:
-    return isinstance(value, torch.Generator)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
