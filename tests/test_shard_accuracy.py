@@ -30,6 +30,9 @@ CASES = [
     ("routed_experts", 1),  # the loss gone as the optimizer begins, whatever the rank's parameter order
     ("parameter_chain", 3),  # a ParameterList: parameters of the root, not units
     ("mixed_dtype", 3),  # a bf16 unit of an fp32 model reduce-scatters bf16 gradients
+    ("frozen_stem", 3),  # a frozen first unit fed the batch: prefetched in backward for nothing
+    ("frozen_stem", 2),  # ... and kept gathered until backward's final callback
+    ("detached_middle", 3),  # a unit under no_grad; the trainable unit before it gets no gradient to reduce
 ]
 
 
@@ -44,6 +47,18 @@ def test_held_out_model_predicted_equals_traced(name, stage):
         assert r["collectives"] == r["predicted_collectives"]
     for report in res.ranks:  # every free of the traced step happened where the rank dropped the buffer
         assert report.ledger is not None and "frees_on_other_threads" not in report.ledger.meta
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "stage"), [("lm_tied", 3), ("frozen_stem", 2), ("uneven_mlp", 1)])
+def test_one_rank_predicted_equals_traced(name, stage):
+    """On one rank FSDP2 copies each shard into its parameter without a flat buffer or a collective, and DDP
+    still keeps its buckets and calls its all-reduce."""
+    res = run(RunConfig(model=f"{MODELS}:{name}", world_size=1, strategy=f"zero{stage}", timeout_seconds=300))
+    (rank,) = res.to_dict()["ranks"]
+    assert rank["predicted_peak_bytes"] == rank["traced_peak_bytes"], rank["predicted_peak"]
+    assert rank["collectives"] == rank["predicted_collectives"]
+    assert bool(rank["collectives"]) == (stage < 2)
 
 
 def test_held_out_models_vary_what_sharding_cares_about():

@@ -80,16 +80,24 @@ def _most_live(ledger, role: str) -> int:
 
 @pytest.mark.slow  # traces a model twice
 def test_traced_model_with_cuda_kernels_sharded(cli_json):
-    """``--device-kind cuda``: the ledger sharded is the CUDA-kind trace. On one rank the transform is the
-    identity, so the peak is ``trace --device-kind cuda``'s to the byte. On two ranks under ZeRO-3 CUDA's foreach
-    AdamW takes the square root of every second moment the rank holds at once (``_foreach_sqrt``), where the
-    CPU's for-loop holds one parameter's; the cuBLAS workspace, one per stream, is not divided."""
+    """``--device-kind cuda``: the ledger sharded is the CUDA-kind trace. On one rank DDP adds only its
+    gradient buckets, so the peak is ``trace --device-kind cuda``'s plus them, to the byte. On two ranks under
+    ZeRO-3 CUDA's foreach AdamW takes the square root of every second moment the rank holds at once
+    (``_foreach_sqrt``), where the CPU's for-loop holds one parameter's; the cuBLAS workspace, one per stream,
+    is not divided."""
     from trainledger.shard import ShardConfig, shard
     from trainledger.shard.launch import reference_step
 
     one = cli_json("shard", "--model", "gpt-tiny", "--world", "1", "--stage", "0", "--device-kind", "cuda")
     traced = cli_json("trace", "--model", "gpt-tiny", "--device-kind", "cuda")
-    assert one["device"] == "cuda" and one["peak"] == traced["peak"]
+    # one rank of DDP holds the trace plus its gradient buckets, a copy of every gradient for the whole step
+    assert one["device"] == "cuda" and one["peak"]["event"] == traced["peak"]["event"]
+    buckets = one["peak"]["by_category"].pop("communication")
+    assert (
+        buckets == traced["peak"]["by_category"]["weights"]
+        and one["peak"]["by_category"] == traced["peak"]["by_category"]
+    )
+    assert one["peak"]["bytes"] == traced["peak"]["bytes"] + buckets
     two = cli_json("shard", "--model", "gpt-tiny", "--world", "2", "--stage", "3", "--device-kind", "cuda")
     assert two["device"] == "cuda" and two["peak"]["by_category"]["workspace"] >= 32 * 2**20
 

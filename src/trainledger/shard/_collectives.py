@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from trainledger.ledger import Category, Entry
 from trainledger.shard._comm import Collective
 from trainledger.shard._context import Context
+from trainledger.shard._fsdp import unused_backward_prefetches
 from trainledger.shard._partition import shard_rows
 from trainledger.units import dtype_bytes
 
@@ -28,8 +29,8 @@ def step_collectives(ctx: Context) -> list[Collective]:
     n = plan.shard_size
     trainable = [p for p in ctx.params if p.category == Category.WEIGHTS]
     gdtype, gsize = ctx.grad_dtype_bytes()
-    if cfg.world_size == 1:
-        return []
+    if cfg.world_size == 1 and (cfg.engine != "torch" or plan.buffers == "fsdp"):
+        return []  # nothing sent; DDP on one rank still calls its all-reduce (and ZeRO its broadcasts)
     if plan.buffers in ("ddp", "bucket"):
         grad_numel = sum(p.numel for p in trainable)
         if plan.partition == "flat" and plan.shard_optimizer:
@@ -74,7 +75,7 @@ def step_collectives(ctx: Context) -> list[Collective]:
         out.append(Collective("all_gather", phase, f"params of {unit or '<root>'}", w, n))
 
     def reduce(unit: str) -> None:
-        tr = [p for p in groups[unit] if p.category == Category.WEIGHTS]
+        tr = [p for p in groups[unit] if ctx.reduced(p)]
         if not tr:
             return
         label = unit or "<root>"
@@ -90,9 +91,12 @@ def step_collectives(ctx: Context) -> list[Collective]:
     regather = [u for u in backward if not ctx.traced or (u, "backward") in ctx.spans]
     if plan.regather_backward and "" in regather:
         gather("", "backward")
+    unused = dict(unused_backward_prefetches(ctx)) if ctx.traced else {}
     for unit in backward:
         if unit and plan.regather_backward and unit in regather:
             gather(unit, "backward")
+        if unit in unused:  # prefetched for a unit that runs no backward
+            gather(unused[unit], "backward")
         reduce(unit)
     return out
 

@@ -37,7 +37,7 @@ class Context:
         self.notes: list[str] = []
         self.class_end: dict[int, int] = {}
         """First rank of a class of identical ranks -> one past its last (see :meth:`rank_classes`)."""
-        self.traced = ledger.num_events > 1 or ledger.events[0].phase != "state"
+        self.traced = traced_step(ledger)
         self.params = [e for e in ledger.entries if e.category == Category.WEIGHTS or shardable_frozen(e)]
         self.param_by_name: dict[str, Entry] = {}
         for p in self.params:
@@ -60,6 +60,11 @@ class Context:
         for p in by_size:
             self.rank_order.setdefault(self.owner[p.name], []).append(p.name)
         self.spans = self._spans() if self.traced else {}
+        self._given_gradients = {
+            p.name
+            for e in ledger.entries
+            if e.category == Category.GRADIENTS and e.role == "grad" and (p := self.param_of(e)) is not None
+        }
         phases = [ev.phase for ev in ledger.events]
         self.last_backward = max((i for i, ph in enumerate(phases) if ph == "backward"), default=None)
 
@@ -102,6 +107,12 @@ class Context:
         for phase, span in whole.items():
             spans.setdefault(("", phase), span)
         return spans
+
+    def reduced(self, p: Entry) -> bool:
+        """Whether FSDP reduces ``p``'s gradient: a trainable parameter, which got one in the traced step (a
+        parameter whose use backward never reaches, behind ``no_grad`` or a detach, is left out of its unit's
+        reduce-scatter)."""
+        return p.category == Category.WEIGHTS and (not self.traced or p.name in self._given_gradients)
 
     def unit_params(self) -> dict[str, list[Entry]]:
         """The parameters of each unit that holds any (the root ``""`` first), in the ledger's order."""
@@ -169,6 +180,11 @@ class Context:
         ref = grads[0] if grads else (self.params[0] if self.params else None)
         dtype = ref.dtype if ref is not None else "float32"
         return dtype, dtype_bytes(dtype)
+
+
+def traced_step(ledger: Ledger) -> bool:
+    """Whether ``ledger`` is a step's timeline (events, lifetimes), not a single instant of model state."""
+    return ledger.num_events > 1 or ledger.events[0].phase != "state"
 
 
 def order_of(spans: dict[tuple[str, str], tuple[int, int]], phase: str) -> list[str]:

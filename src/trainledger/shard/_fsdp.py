@@ -12,7 +12,11 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
 - post-forward: ``P_u`` freed when resharding after forward (stage 3 / FULL_SHARD);
 - pre-backward (two events): gather again (unless prefetched) and copy out, freeing ``F_u`` at once;
   then prefetch the next ``backward_prefetch`` units in backward order (their ``F`` live until their
-  own pre-backward's copy-out);
+  own pre-backward's copy-out). FSDP2's default prefetch takes the unit that finished forward just
+  before this one; when that unit has no backward (frozen and fed the batch, or run under ``no_grad``)
+  its ``F`` is never copied out and lives until backward's final callback (``finalize_backward``);
+- a unit with no backward is resharded only in that final callback (at its turn, in module order): at
+  SHARD_GRAD_OP its parameters stay gathered from its forward until then;
 - post-backward: ``P_u`` freed (reshard), the previous unit's reduce-scatter input freed (FSDP2 keeps
   one in flight), the new input ``R_u`` (``G_u``: padded gradients times ``N``) allocated and the
   gradients copied in; then the unsharded gradients are freed (all but the unit's last, which a loop
@@ -24,6 +28,7 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -66,11 +71,14 @@ class _UnitSizes:
     """Per unit, on this rank: what its all-gather produces and its reduce-scatter takes."""
 
     gathered_bytes: dict[str, int]
-    """``S_u``: every parameter's padded shard times ``N``, in bytes (the flat buffer, and the parameters)."""
+    """``S_u``: every parameter's padded shard times ``N``, in bytes (the unsharded parameters)."""
+    flat_bytes: dict[str, int]
+    """The all-gather's flat output: ``S_u``; none on one rank, where FSDP2 copies each shard straight into
+    its unsharded parameter and calls no collective."""
     dtype: dict[str, str]
     """The dtype the unit's gathered buffers are counted in (its first parameter's)."""
     grad_numel: dict[str, int]
-    """``G_u``: the padded gradients of the unit's trainable parameters times ``N``, in elements."""
+    """``G_u``: the padded gradients the unit reduces (:meth:`Context.reduced`) times ``N``, in elements."""
 
 
 def _unit_sizes(ctx: Context, srank: int) -> _UnitSizes:
@@ -79,10 +87,12 @@ def _unit_sizes(ctx: Context, srank: int) -> _UnitSizes:
     def padded_full(p: Entry) -> int:
         return shard_rows(p.numel, p.shape, n, srank, "dim0")[0] * n
 
+    gathered = {u: sum(padded_full(p) * dtype_bytes(p.dtype) for p in ps) for u, ps in groups.items()}
     return _UnitSizes(
-        gathered_bytes={u: sum(padded_full(p) * dtype_bytes(p.dtype) for p in ps) for u, ps in groups.items()},
+        gathered_bytes=gathered,
+        flat_bytes=gathered if n > 1 else dict.fromkeys(gathered, 0),
         dtype={u: ps[0].dtype for u, ps in groups.items()},
-        grad_numel={u: sum(padded_full(p) for p in ps if p.category == Category.WEIGHTS) for u, ps in groups.items()},
+        grad_numel={u: sum(padded_full(p) for p in ps if ctx.reduced(p)) for u, ps in groups.items()},
     )
 
 
@@ -248,18 +258,21 @@ def _forward_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes, forward: li
     out: list[Entry] = []
     for k, u in enumerate(forward):
         label, g = u or "<root>", at[("pre_forward", u)]
-        dtype, nbytes = sizes.dtype[u], sizes.gathered_bytes[u]
+        dtype, nbytes, flat = sizes.dtype[u], sizes.gathered_bytes[u], sizes.flat_bytes[u]
         start = at[("pre_forward", forward[max(0, k - depth)])] if depth else g
         if depth:
             f_stop = g + 1
         else:
             f_stop = at[("pre_forward", forward[k + 1])] + 1 if k + 1 < len(forward) else clock.end_forward
         out += clock.window(
-            f"all-gather output {label} (forward)", _COMM, "all_gather_output", dtype, nbytes, start, f_stop
+            f"all-gather output {label} (forward)", _COMM, "all_gather_output", dtype, flat, start, f_stop
         )
-        if ctx.plan.regather_backward or (u, "backward") not in spans:
+        if ctx.plan.regather_backward:
             p_stop = clock.gap_start[spans[(u, "forward")][1] + 1]
             name = f"gathered params {label} (forward)"
+        elif (u, "backward") not in spans:  # no pre- or post-backward hook: resharded in the final callback
+            p_stop = _final_turn(ctx, clock, u)
+            name = f"gathered params {label} (forward to the end of backward)"
         else:
             post = at.get(("post_backward", u))
             p_stop = post if post is not None else clock.gap_start[spans[(u, "backward")][1] + 1]
@@ -276,14 +289,51 @@ def _backward_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes, backward: 
     out: list[Entry] = []
     for k, u in enumerate(backward):
         label, g = u or "<root>", at[("pre_backward", u)]
-        dtype, nbytes = sizes.dtype[u], sizes.gathered_bytes[u]
+        dtype, nbytes, flat = sizes.dtype[u], sizes.gathered_bytes[u], sizes.flat_bytes[u]
         start = at[("pre_backward", backward[k - min(depth, k)])] + 1 if depth and k else g
         out += clock.window(
-            f"all-gather output {label} (backward)", _COMM, "all_gather_output", dtype, nbytes, start, g + 1
+            f"all-gather output {label} (backward)", _COMM, "all_gather_output", dtype, flat, start, g + 1
         )
         post = at.get(("post_backward", u), clock.end_backward)
         out += clock.window(f"gathered params {label} (backward)", _WEIGHTS, "gathered", dtype, nbytes, g, post)
+    for by, u in unused_backward_prefetches(ctx):
+        start, stop = at[("pre_backward", by)] + 1, _final_turn(ctx, clock, u)
+        name = f"all-gather output {u or '<root>'} (prefetched, unused)"
+        out += clock.window(name, _COMM, "all_gather_output", sizes.dtype[u], sizes.flat_bytes[u], start, stop)
     return out
+
+
+def unused_backward_prefetches(ctx: Context) -> list[tuple[str, str]]:
+    """``(unit, target)``: in its pre-backward ``unit`` prefetches ``target``, which runs no backward.
+
+    FSDP2's default backward prefetch (one unit ahead) takes the unit that finished forward just before
+    ``unit`` (``post_forward_order``), whatever backward then runs: a unit frozen and fed the batch, or
+    run under ``no_grad``, is gathered in backward for nothing, and its buffer waits for the final
+    callback. A deeper prefetch is an explicit list of units that run backward, which gathers no such unit.
+    """
+    if not ctx.plan.regather_backward or ctx.config.backward_prefetch != 1:
+        return []
+    spans, groups = ctx.spans, ctx.unit_params()
+    finished = sorted((span[1], -len(u), u) for (u, phase), span in spans.items() if phase == "forward" and u in groups)
+    post_forward = [u for _, _, u in finished]
+    return [
+        (u, before)
+        for before, u in itertools.pairwise(post_forward)
+        if (u, "backward") in spans and (before, "backward") not in spans
+    ]
+
+
+def _final_turn(ctx: Context, clock: _Clock, unit: str) -> int:
+    """Where backward's final callback reaches ``unit``: it walks the units in module order, the root first,
+    reducing the late ones; ``unit`` (which reduces nothing) is resharded and its unused prefetch freed after
+    the late units before it."""
+    order = {u: k for k, u in enumerate(("", *ctx.units))}
+    later = [
+        clock.at[("post_backward", u)]
+        for u in _late(ctx)
+        if ("post_backward", u) in clock.at and order.get(u, 0) > order.get(unit, 0)
+    ]
+    return min(later, default=clock.end_backward)
 
 
 def _reduce_scatter_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes) -> list[Entry]:
@@ -298,7 +348,7 @@ def _reduce_scatter_buffers(ctx: Context, clock: _Clock, sizes: _UnitSizes) -> l
         dtype = ctx.unit_grad_dtype(u)
         nbytes = sizes.grad_numel[u] * dtype_bytes(dtype)
         out += clock.window(f"reduce-scatter input {label}", _COMM, "reduce_scatter_input", dtype, nbytes, c, nxt)
-        if ctx.config.reduce_scatter_copy:
+        if ctx.config.reduce_scatter_copy and ctx.plan.shard_size > 1:  # one rank copies, calls no collective
             out += clock.window(
                 f"reduce-scatter copy {label}", _COMM, "reduce_scatter_copy", dtype, nbytes, c + 1, c + 2
             )

@@ -42,7 +42,7 @@ from trainledger.checks import instance_of
 from trainledger.ledger import Category, Entry, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._config import ShardConfig, plan_for
-from trainledger.shard._context import Context, added_entry, shardable_frozen
+from trainledger.shard._context import Context, added_entry, shardable_frozen, traced_step
 from trainledger.shard._fsdp import fsdp_rank_timeline
 from trainledger.shard._optimizer import optimizer_workspace, resequence_optimizer
 from trainledger.shard._partition import resized, shard_rows
@@ -82,7 +82,8 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
     params = [e for e in ledger.entries if e.category == Category.WEIGHTS or shardable_frozen(e)]
     names = [e.name for e in params]
     units = config.units if config.units is not None else infer_units(names)
-    if config.world_size == 1:  # one rank: nothing divided, nothing sent
+    if config.world_size == 1 and not (config.engine == "torch" and traced_step(ledger)):
+        # one rank: nothing divided, nothing sent (PyTorch's wrappers on one rank are modelled from a trace)
         note = "world size 1: no data parallelism, the rank holds the step as traced (wrapper buffers not modelled)"
         single = ledger.with_entries(ledger.entries, notes=(*ledger.notes, note), meta={**ledger.meta, "rank": 0})
         return ShardResult(config, plan.label, ledger, (single,), (), tuple(units), (note,))

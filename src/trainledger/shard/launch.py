@@ -591,7 +591,7 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
     _wrap(workload, cfg["strategy"])
     stage("the warm-up steps")
     for _ in range(WARMUP_STEPS):
-        with _unused_parameters_explained(cfg["strategy"]):
+        with _engine_errors_explained(cfg["strategy"]):
             run_step(workload)
     stage("the timed step")
     counter = CollectiveCounter(dist.get_world_size())
@@ -615,18 +615,27 @@ def rank_step(cfg: dict[str, Any], *, stage: Any = lambda _s: None) -> dict[str,
 
 
 @contextlib.contextmanager
-def _unused_parameters_explained(strategy: str) -> Iterator[None]:
-    """DDP's error for a parameter that got no gradient, said in terms of what the user can change here."""
+def _engine_errors_explained(strategy: str) -> Iterator[None]:
+    """DDP's error for a parameter that got no gradient, and FSDP's for a sharded parameter used outside the
+    model's forward, said in terms of what the user can change here."""
     try:
         yield
     except Exception as exc:
-        if "find_unused_parameters" not in str(exc):
-            raise
-        raise InputError(
-            f"DDP ({strategy}) needs every trainable parameter to get a gradient in each step, and this model has "
-            "one that gets none (unused in forward); DDP runs as PyTorch builds it by default: freeze that parameter "
-            "(requires_grad_(False)), or run ZeRO stage 2 or 3 (FSDP)"
-        ) from None
+        text = str(exc)
+        if "find_unused_parameters" in text:
+            raise InputError(
+                f"DDP ({strategy}) needs every trainable parameter to get a gradient in each step, and this model "
+                "has one that gets none (unused in forward); DDP runs as PyTorch builds it by default: freeze that "
+                "parameter (requires_grad_(False)), or run ZeRO stage 2 or 3 (FSDP)"
+            ) from None
+        if "mixed torch.Tensor and DTensor" in text:
+            op = text.split(" got mixed", 1)[0]
+            raise InputError(
+                f"FSDP ({strategy}) gathers a module's parameters only while the sharded model runs its forward, "
+                f"and this workload used a sharded parameter outside it ({op} saw the shard): call the modules "
+                "from the model's forward (not from loss_fn or the loop), or run stage 0 or 1 (DDP)"
+            ) from None
+        raise
 
 
 TRACE_ATTEMPTS = 3
@@ -691,12 +700,20 @@ def _wrap(workload: Any, strategy: str) -> None:
 
             probe = factory([p for p in workload.model.parameters() if p.requires_grad])
             cls = type(probe)
-            accepted = inspect.signature(cls.__init__).parameters  # defaults may hold derived keys
+            accepted = _init_keywords(cls)  # defaults may hold derived keys
             defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
             del probe
 
             def zero(params: Any) -> torch.optim.Optimizer:
-                return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, **defaults)
+                try:
+                    return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, **defaults)
+                except Exception as exc:
+                    raise InputError(
+                        f"ZeroRedundancyOptimizer (zero1) builds {cls.__name__} itself over each rank's parameter "
+                        f"groups (dicts with a 'params' list), and {cls.__name__} raised {type(exc).__name__}: "
+                        f"{exc}; give an optimizer class that takes parameter groups as torch.optim's do, or run "
+                        "another stage"
+                    ) from None
 
             workload.optimizer = zero
         return
@@ -710,6 +727,19 @@ def _wrap(workload: Any, strategy: str) -> None:
         fully_shard(workload.model.get_submodule(unit), mesh=mesh, reshard_after_forward=reshard)
     fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
     workload.optimizer = factory
+
+
+def _init_keywords(cls: type) -> set[str]:
+    """The keywords ``cls(...)`` takes: its ``__init__``'s, and while that passes ``**kwargs`` on, its bases'."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def _gather_text(text: str, rank: int, world_size: int, backend: str) -> list[str]:
