@@ -33,6 +33,7 @@ CASES = [
     ("frozen_stem", 3),  # a frozen first unit fed the batch: prefetched in backward for nothing
     ("frozen_stem", 2),  # ... and kept gathered until backward's final callback
     ("detached_middle", 3),  # a unit under no_grad; the trainable unit before it gets no gradient to reduce
+    ("master_weights", 1),  # a rank's optimizer makes fp32 masters and their gradients for its own parameters
 ]
 
 

@@ -3,6 +3,7 @@ no mark on the weights, buffers, gradients, optimizer state or random-number sta
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -99,3 +100,33 @@ def test_a_parameter_beside_the_model_a_reassigned_buffer_and_other_generators_a
     assert model.ema is ema
     assert torch.equal(temperature, others[0]) and torch.equal(model.noise.get_state(), others[1])
     assert random.getstate() == others[2] and (np.random.get_state()[1] == others[3]).all()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")  # torch.distributed.optim imports use it
+def test_an_optimizer_held_by_another_is_given_back_and_named():
+    """``ZeroRedundancyOptimizer`` steps a local optimizer of its own, whose state its own ``state`` does not list:
+    the trace names that state as the optimizer's and gives it back (it stayed two steps ahead of the weights)."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def zero(ps):
+            return ZeroRedundancyOptimizer(list(ps), optimizer_class=torch.optim.Adam, lr=0.1)
+
+        w = Workload(model, torch.randn(4, 8), loss_fn=lambda out, _b: out.square().mean(), optimizer=zero)
+        run_step(w)
+        local = w.get_optimizer().optim
+        before = snapshot(model, local)
+        led = trace(w)
+        assert_same(before, snapshot(model, local))
+        named = {e.role for e in led.entries if e.category.value == "optimizer"}
+        assert named == {"exp_avg", "exp_avg_sq", "step"}
+        moments = sum(e.nbytes for e in led.entries if e.role in ("exp_avg", "exp_avg_sq"))
+        assert moments == 2 * 4 * sum(p.numel() for p in model.parameters())
+        assert not [e for e in led.entries if e.role == "captured"]
+    finally:
+        dist.destroy_process_group()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -307,14 +308,20 @@ class AdamWWithMasterWeights(torch.optim.AdamW):
     masters, updates the masters, and copies them back down into the model.
     """
 
-    def __init__(self, model_params: Iterable[nn.Parameter], **kwargs: float) -> None:
-        self.model_params = list(model_params)
-        masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], **kwargs: float) -> None:
+        # the model's parameters, or groups of them (``ZeroRedundancyOptimizer`` builds it over each rank's groups)
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.model_params = [p for g in groups for p in g["params"]]
+        masters = [
+            {**g, "params": [p.detach().float().clone().requires_grad_(True) for p in g["params"]]} for g in groups
+        ]
         super().__init__(masters, **kwargs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        masters = self.param_groups[0]["params"]
+        masters = [m for g in self.param_groups for m in g["params"]]
         for p, m in zip(self.model_params, masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         super().step(closure)

@@ -201,6 +201,11 @@ def _named_state(
             yield p.grad, Owner(f"{name}.grad", Category.GRADIENTS, "grad")
     if optimizer is None:
         return
+    for opt in optimizers_within(optimizer):
+        yield from _optimizer_state(model, opt)
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, Owner]]:
     names = {id(p): n for n, p in model.named_parameters()}
     masters = match_masters(model, optimizer)
     outside = {id(p): name for name, p in trained_outside(model, optimizer, masters)}
@@ -221,6 +226,19 @@ def _named_state(
             for key, value in optimizer.state.get(p, {}).items():
                 for suffix, t in _state_tensors(value):
                     yield t, Owner(f"optimizer.{label}.{key}{suffix}", Category.OPTIMIZER, key)
+
+
+def optimizers_within(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """``optimizer`` and the optimizers it holds and steps, each keeping state of its own: the local optimizer of
+    ``ZeroRedundancyOptimizer`` (whose own ``state`` stays empty), a Lookahead's base optimizer."""
+    found: list[torch.optim.Optimizer] = []
+    todo = [optimizer]
+    while todo:
+        opt = todo.pop(0)
+        if not any(opt is f for f in found):
+            found.append(opt)
+            todo += [v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer)]
+    return found
 
 
 def _state_tensors(value: Any, suffix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -382,11 +400,12 @@ def recovery_checkpoint(ledger: Ledger) -> RecoveryCheckpoint:
 
 
 def iter_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor the optimizer holds in its state (in its lists too)."""
-    for state in optimizer.state.values():
-        for v in state.values():
-            for _, t in _state_tensors(v):
-                yield t
+    """Every tensor the optimizer, and the optimizers it holds, keep in their state (in its lists too)."""
+    for opt in optimizers_within(optimizer):
+        for state in opt.state.values():
+            for v in state.values():
+                for _, t in _state_tensors(v):
+                    yield t
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

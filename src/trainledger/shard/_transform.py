@@ -110,7 +110,8 @@ def rank_ledger(ctx: Context, rank: int) -> Ledger:
     opt_full = opt_kept = 0
     for e in ctx.ledger.entries:
         cat = e.category
-        if cat == Category.OPTIMIZER and plan.shard_optimizer:
+        # the optimizer's own gradients (a master copy's) are made by the rank's optimizer for its own share
+        if plan.shard_optimizer and (cat == Category.OPTIMIZER or (cat == Category.GRADIENTS and e.role != "grad")):
             p = ctx.param_of(e)
             opt_full += e.nbytes
             if plan.partition == "greedy" and p is not None and p.name in ctx.owner:
@@ -136,6 +137,7 @@ def rank_ledger(ctx: Context, rank: int) -> Ledger:
         out = optimizer_workspace(ctx, out, opt_kept, opt_full, srank)
     events = ctx.ledger.events
     if plan.partition == "greedy" and plan.shard_optimizer and ctx.traced:
+        out += _master_grads_of_the_last_step(ctx, out)
         events, out = resequence_optimizer(events, out, ctx.rank_order.get(srank, []))
     if fsdp_timeline:
         events, out = fsdp_rank_timeline(ctx, srank, out)
@@ -150,6 +152,21 @@ def rank_ledger(ctx: Context, rank: int) -> Ledger:
         notes=(*ctx.ledger.notes, *notes),
         meta={**ctx.ledger.meta, "rank": rank, "world_size": ctx.config.world_size},
     )
+
+
+def _master_grads_of_the_last_step(ctx: Context, entries: list[Entry]) -> list[Entry]:
+    """``ZeroRedundancyOptimizer.zero_grad`` clears the model's gradients, never those of its local optimizer's own
+    parameters: the gradient a master copy got in the last step lives on until this step's replaces it."""
+    held = {e.name for e in entries if e.role == "master_grad" and e.alloc_event is None}
+    phases = [ev.phase for ev in ctx.ledger.events]
+    return [
+        replace(e, name=f"{e.name} (last step's)", alloc_event=None, free_event=e.alloc_event + 1, last_use_event=None)
+        for e in entries
+        if e.role == "master_grad"
+        and e.alloc_event is not None
+        and phases[e.alloc_event] == "optimizer"
+        and e.name not in held
+    ]
 
 
 def _sharded_grad(ctx: Context, e: Entry, srank: int) -> list[Entry]:

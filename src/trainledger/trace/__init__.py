@@ -21,7 +21,7 @@ import torch
 
 from trainledger.devices import Device, KernelKind, SdpaCall, sdpa_backend
 from trainledger.errors import InputError
-from trainledger.inventory import iter_state, iter_state_tensors, trained_outside
+from trainledger.inventory import iter_state, iter_state_tensors, optimizers_within, trained_outside
 from trainledger.ledger import LOSS_SCOPE, REFERENCE_SCOPE, Category, Evidence, Ledger
 from trainledger.trace._blocks import blocks_differ
 from trainledger.trace._cuda import (
@@ -274,7 +274,7 @@ def _trace_step(
                 raise
         return ledger.with_entries(ledger.entries, meta={**ledger.meta, "fake": True}), kernels
     roots = [m for m in (workload.model, workload.reference) if m is not None]
-    found = TrainingState.of(roots, [workload.get_optimizer()])
+    found = TrainingState.of(roots, optimizers_within(workload.get_optimizer()))
     try:
         ledger, kernels = _trace(workload, progress)
     finally:
@@ -673,9 +673,10 @@ def _gradients_and_state(
     for p in parameters:
         if p.grad is not None:
             yield p.grad
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            yield p
-            if p.grad is not None:
-                yield p.grad
+    for opt in optimizers_within(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                yield p
+                if p.grad is not None:
+                    yield p.grad
     yield from iter_state_tensors(optimizer)
