@@ -241,6 +241,45 @@ def test_a_hugging_face_model_with_its_cache_on_recomputes_with_it_off_and_gets_
         assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in plain)
 
 
+@pytest.mark.slow
+def test_an_encoder_decoders_own_decoder_config_has_its_cache_off_while_it_recomputes(tmp_path):
+    """T5's decoder keeps a copy of the config and reads ``use_cache`` from it when the caller passes none: with
+    only ``model.config`` turned off, a recomputed cross-attention found its keys and values cached, skipped
+    their projections and saved fewer tensors (``CheckpointError`` in backward). Every config is turned off,
+    and back on after."""
+    import transformers
+
+    from trainledger.remat import Region
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config).train()
+    ids, labels = torch.randint(1, 64, (2, 12)), torch.randint(1, 64, (2, 8))
+    w = Workload(model, {"input_ids": ids, "labels": labels})
+    torch.manual_seed(0)
+    compute_loss(w, call_model(model, w.batch)).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    plan = remat.Plan(
+        regions=(Region("decoder.block.0.layer.1"), Region("decoder.block.1")),
+        fingerprint=remat.structure_fingerprint(model),
+    )
+    path = tmp_path / "remat_policy.py"
+    plan.export_policy(path)
+    for runner in (plan, load(path)):
+        with pytest.warns(UserWarning, match="use_cache=True does not go with recomputation"):
+            runner.apply(model)
+        assert model.config.use_cache is False and model.decoder.config.use_cache is False
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        compute_loss(w, call_model(model, w.batch)).backward()
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runner.remove(model)
+        assert model.config.use_cache is True and model.decoder.config.use_cache is True
+        assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in plain)
+
+
 def test_a_plan_and_its_exported_policy_do_not_stack_and_a_failed_apply_wraps_nothing(tmp_path):
     from torch import nn
 

@@ -449,6 +449,44 @@ def test_a_gradient_that_is_a_view_is_accumulated_out_of_place_as_the_profiler_c
     assert {(e.phase, e.op) for e in grads.values()} == {("backward", "aten.add.Tensor")}
 
 
+class _AveragedAttention(nn.Module):
+    """Attention probabilities used twice: by the output's matrix product and, through a ``view``, by their
+    average over heads (what ``nn.MultiheadAttention(need_weights=True)`` returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q = self.q(x).view(b, n, 4, c // 4).transpose(1, 2).reshape(b * 4, n, c // 4)
+        k = x.view(b, n, 4, c // 4).transpose(1, 2).reshape(b * 4, n, c // 4)
+        probs = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        out = torch.bmm(probs, k)
+        averaged = probs.view(b, 4, n, n).mean(dim=1)  # made last, so its gradient comes first in backward
+        return out.square().mean() + 0.0 * averaged.mean()
+
+
+def test_a_sum_of_gradients_whose_first_is_a_view_is_a_new_tensor_as_the_profiler_counts():
+    # The engine adds the later gradient into the first one only: the probabilities' gradient through the view
+    # arrives first and is a view, so the sum is allocated, untraced too; folding it into the dense second
+    # gradient (the matrix product's) left the sum out of the ledger (the probabilities' size, 4,194,304 bytes,
+    # a quarter of the peak). Made in the other order, the view's gradient comes second and the sum is in place.
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.oracle_profiler import two_steps, window_peak
+    from trainledger.workload import run_step
+
+    def averaged() -> Workload:
+        torch.manual_seed(0)
+        return Workload(_AveragedAttention(), torch.randn(4, 256, 32), optimizer=torch.optim.SGD)
+
+    led = trace(averaged())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        two_steps(averaged(), run_step)
+    assert led.peak().bytes == window_peak(prof)
+
+
 class _Residual(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()

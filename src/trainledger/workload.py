@@ -222,16 +222,17 @@ def user_errors(what: str) -> Iterator[None]:
         raise InputError(f"{what} called sys.exit({exc.code!r}) in the model, loss or optimizer") from None
     except Exception as exc:
         message = " ".join(str(exc).split())[:300]
-        hint = _CHECKPOINT_HINT if type(exc).__name__ == "CheckpointError" and "metadata" in message else ""
+        hint = _CHECKPOINT_HINT if type(exc).__name__ == "CheckpointError" else ""
         raise InputError(f"{what} raised {type(exc).__name__}: {message}{hint}") from exc
 
 
 _CHECKPOINT_HINT = (
     " (a recomputation saved other tensors than its forward did: a checkpointed region inside another's, such as a "
-    "plan applied to a model that checkpoints its own layers, which recomputes the inner one plainly; or a "
+    "plan applied to a model that checkpoints its own layers, which recomputes the inner one plainly; a "
     "checkpointed call that passes one tensor as several arguments, such as self-attention's attn(x, x, x), which "
     "under saved-tensor hooks, as tracing uses, PyTorch recomputes with distinct tensors: checkpoint a function that "
-    "takes the tensor once)"
+    "takes the tensor once; or a module that works otherwise when run again, such as one reading a key/value cache "
+    "its first run filled: turn the cache off)"
 )
 
 

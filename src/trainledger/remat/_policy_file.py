@@ -174,20 +174,24 @@ _CACHE_WAS_ON = "_remat_policy_use_cache"
 def cache_off(model: nn.Module) -> None:
     """A Hugging Face model's key/value cache off while it recomputes, as its ``gradient_checkpointing_enable``
     does: a recomputed layer would append to the cache again and save other tensors (a ``CheckpointError``
-    in backward). :func:`cache_back` turns it on again."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) is True:
+    in backward). Every config the model's modules hold is turned off, not only ``model.config``: an
+    encoder-decoder's decoder keeps a copy of its own (T5's stacks), which it reads when the caller passes no
+    ``use_cache``. :func:`cache_back` turns them on again."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    cached = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    if cached:
         warnings.warn(
             "model.config.use_cache=True does not go with recomputation: set to False until the plan is removed",
             stacklevel=3,
         )
-        config.use_cache = False
-        model.__dict__[_CACHE_WAS_ON] = True
+        for config in cached:
+            config.use_cache = False
+        model.__dict__[_CACHE_WAS_ON] = cached
 
 
 def cache_back(model: nn.Module) -> None:
-    if model.__dict__.pop(_CACHE_WAS_ON, False):
-        model.config.use_cache = True
+    for config in model.__dict__.pop(_CACHE_WAS_ON, ()):
+        config.use_cache = True
 
 
 def _wrap(model: nn.Module, module: nn.Module, regions: dict[int | None, tuple]) -> dict[str, Any]:

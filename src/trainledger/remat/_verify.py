@@ -23,7 +23,7 @@ import torch
 from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
 from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan
-from trainledger.workload import Workload, call_model, compute_loss, intra_op_threads, run_step
+from trainledger.workload import Workload, call_model, compute_loss, intra_op_threads, run_step, user_errors
 
 AGREEMENT = 0.01
 """Predicted and traced peaks must agree within this share of the traced peak."""
@@ -202,7 +202,8 @@ def _with_and_without(
         rewind()
         plan.apply(model)
         try:
-            planned = observe()
+            with user_errors("the step with the plan applied"):
+                planned = observe()
         finally:
             plan.remove(model)
     finally:

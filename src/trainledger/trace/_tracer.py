@@ -563,41 +563,40 @@ class StepTracer(TorchDispatchMode):
     def _fold_accumulations(self) -> None:
         """Undo a tracing artefact: gradient accumulation that the engine does in place.
 
-        When two gradients flow into one tensor, autograd's input buffer adds them *in place* into one
-        of them if it holds the only reference to it (``InputBuffer::accumulate``). Under any Python
-        dispatch mode each output carries a Python wrapper, the reference checks fail, and the engine
-        falls back to an out-of-place ``add``: one allocation more than the untraced step makes. An
-        ``add`` in backward whose operand is a dense backward temporary, not saved, freed right after
-        the add, with the output's shape and dtype, is such an accumulation: the output is folded into
-        that operand, which lives on as long as the output did.
+        When two gradients flow into one tensor, autograd's input buffer adds the one that came second into
+        the one that came first, *in place*, if it holds the only reference to that first one
+        (``InputBuffer::accumulate``: ``old_var.add_(var)``, else ``old_var + var``); it never adds into the
+        second. Under any Python dispatch mode each output carries a Python wrapper, the reference checks
+        fail, and the engine falls back to the out-of-place ``add``: one allocation more than the untraced
+        step makes. An ``add`` in backward whose first operand is a dense backward temporary, not saved,
+        freed right after the add, with the output's shape and dtype, is such an accumulation: the output is
+        folded into that operand, which lives on as long as the output did. When the first is not dense (a
+        view: a gradient through ``view``), the untraced step allocates the sum as well.
         """
         for acc in self._accumulations:
             out = acc.out
-            if out is None or out.alloc_event != acc.event or out.merged_into is not None:
+            if out is None or out.alloc_event != acc.event or out.merged_into is not None or not acc.dense[0]:
                 continue
-            for operand, dense in zip(acc.operands, acc.dense, strict=True):
-                # an operand may itself be an earlier accumulation, already folded: the residual stream's
-                # gradient is added to once per block, and all of it is the one buffer the engine adds into
-                rec = operand
-                while rec is not None and rec.merged_into is not None:
-                    rec = rec.merged_into
-                if (
-                    rec is not None
-                    and dense
-                    and not rec.saved
-                    and rec.phase == "backward"
-                    and rec.category is None
-                    and rec.alloc_event is not None
-                    and rec.free_event == acc.event + 1
-                    and rec.nbytes == out.nbytes
-                ):
-                    rec.free_event = out.free_event
-                    if out.category is not None:
-                        rec.category, rec.role, rec.name = out.category, out.role, out.name
-                    rec.last_use_event = out.last_use_event
-                    rec.saved = out.saved
-                    out.merged_into = rec
-                    break
+            # the first operand may itself be an earlier accumulation, already folded: the residual stream's
+            # gradient is added to once per block, and all of it is the one buffer the engine adds into
+            rec = acc.operands[0]
+            while rec is not None and rec.merged_into is not None:
+                rec = rec.merged_into
+            if (
+                rec is not None
+                and not rec.saved
+                and rec.phase == "backward"
+                and rec.category is None
+                and rec.alloc_event is not None
+                and rec.free_event == acc.event + 1
+                and rec.nbytes == out.nbytes
+            ):
+                rec.free_event = out.free_event
+                if out.category is not None:
+                    rec.category, rec.role, rec.name = out.category, out.role, out.name
+                rec.last_use_event = out.last_use_event
+                rec.saved = out.saved
+                out.merged_into = rec
 
 
 def _shape(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[int, ...]:
