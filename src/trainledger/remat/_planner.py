@@ -28,6 +28,7 @@ from trainledger.remat._candidates import (
     replay,
 )
 from trainledger.remat._plan import Plan, Region, structure_fingerprint
+from trainledger.remat._policy_file import cache_back, cache_off
 from trainledger.remat._reserved import ReservedFit
 from trainledger.remat._solvers import SOLVERS, LinearModel, NoPlan, Solution, SolverName, min_peak, solve
 from trainledger.remat._verify import Verification
@@ -58,6 +59,12 @@ def no_region_why(plain: Ledger) -> str:
         "checkpointing), and no other region is worth recomputing; take its own checkpointing out to let plan "
         "choose what to recompute"
     )
+
+
+CACHE_OFF_NOTE = (
+    "the model's key/value cache (use_cache=True) is off in the plain step traced here, as it is under any plan: "
+    "trace, with it on, also holds every layer's cached keys and values through the step"
+)
 
 
 class InfeasibleBudget(InputError):
@@ -128,17 +135,28 @@ class Planner:
             raise InputError(f"a plan on {what} minimises FLOPs (nothing runs, nothing is timed): use cost flops")
         initial = None
         kinds: dict[str, Any] = {"kernel_kind": kernel_kind, "cuda_device": gpu}
-        if plain is None:
-            if not fake and gpu is None:
-                initial = (
-                    copy.deepcopy(workload.model.state_dict()),
-                    copy.deepcopy(workload.get_optimizer().state_dict()),
-                )
-            plain = trace(workload, fake=fake, **kinds)
-        record = record_forward(workload, fake=fake, **kinds)
+        # the step is traced and recorded as it runs under a plan: with a Hugging Face model's key/value cache off
+        # (a plan turns it off), which a training step with it on fills with every layer's keys and values
+        cached = cache_off(workload.model, warn=False)
+        try:
+            if plain is None:
+                if not fake and gpu is None:
+                    initial = (
+                        copy.deepcopy(workload.model.state_dict()),
+                        copy.deepcopy(workload.get_optimizer().state_dict()),
+                    )
+                plain = trace(workload, fake=fake, **kinds)
+            record = record_forward(workload, fake=fake, **kinds)
+        finally:
+            cache_back(workload.model)
         cs = find_candidates(plain, workload.model, record)
+        if cached:
+            cs = replace(cs, notes=(*cs.notes, CACHE_OFF_NOTE))
         lm = linear_model(cs, cost=cost)
         floor, choice = min_peak(lm)
+        # the floor plan's own replay, as every plan's predicted peak is: the linear model adds up each region's
+        # change alone, which can miss where two adjacent regions share what they keep
+        floor = replay(cs, choice).peak().bytes
         name = gpu.name if gpu is not None else None
         return cls(
             workload, plain, record, cs, lm, cost, floor, choice, _state_floor(plain), initial, kernel_kind, name
@@ -194,6 +212,8 @@ class Planner:
                 Solution(self.floor_choice, self.floor_bytes, self.model.total_cost(self.floor_choice), "milp", True),
                 budget_bytes=budget_bytes,
             )
+            if budget_bytes >= self.floor_bytes and solver in ("auto", "milp"):
+                return best  # the linear model put the floor plan above the budget; its replay is within it
             if budget_bytes >= self.floor_bytes:  # a heuristic solver missed a plan the floor proves exists
                 raise InputError(
                     f"solver {solver} found no plan within {_both(budget_bytes)} ({exc}); use --solver auto or milp"

@@ -171,22 +171,24 @@ def checkpoints_its_layers(model: nn.Module) -> bool:
 _CACHE_WAS_ON = "_remat_policy_use_cache"
 
 
-def cache_off(model: nn.Module) -> None:
+def cache_off(model: nn.Module, *, warn: bool = True) -> bool:
     """A Hugging Face model's key/value cache off while it recomputes, as its ``gradient_checkpointing_enable``
     does: a recomputed layer would append to the cache again and save other tensors (a ``CheckpointError``
     in backward). Every config the model's modules hold is turned off, not only ``model.config``: an
     encoder-decoder's decoder keeps a copy of its own (T5's stacks), which it reads when the caller passes no
-    ``use_cache``. :func:`cache_back` turns them on again."""
+    ``use_cache``. :func:`cache_back` turns them on again. Returns whether any was on."""
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     cached = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
-    if cached:
+    if cached and warn:
         warnings.warn(
             "model.config.use_cache=True does not go with recomputation: set to False until the plan is removed",
             stacklevel=3,
         )
+    if cached:
         for config in cached:
             config.use_cache = False
         model.__dict__[_CACHE_WAS_ON] = cached
+    return bool(cached)
 
 
 def cache_back(model: nn.Module) -> None:
