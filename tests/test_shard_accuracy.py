@@ -30,6 +30,9 @@ CASES = [
     ("routed_experts", 1),  # the loss gone as the optimizer begins, whatever the rank's parameter order
     ("parameter_chain", 3),  # a ParameterList: parameters of the root, not units
     ("mixed_dtype", 3),  # a bf16 unit of an fp32 model reduce-scatters bf16 gradients
+    ("mixed_dtype", 0),  # ... and DDP keeps a bucket per dtype, each gradient in its own
+    ("nested_lists", 3),  # lists of lists: the layers are the units, not the lists FSDP cannot wrap
+    ("checkpointed_blocks", 2),  # checkpoint() keeps the RNG state before FSDP's pre-forward gathers the block
     ("frozen_stem", 3),  # a frozen first unit fed the batch: prefetched in backward for nothing
     ("frozen_stem", 2),  # ... and kept gathered until backward's final callback
     ("detached_middle", 3),  # a unit under no_grad; the trainable unit before it gets no gradient to reduce

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainledger.errors import InputError
-from trainledger.shard.launch import RankError, RunConfig, run
+from trainledger.shard.launch import RankError, RunConfig, refuse_outputs_fsdp_cannot_see, run
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,33 @@ def hangs_on_rank_1():
 def with_an_unused_parameter():
     w = mlp()
     w.model.spare = torch.nn.Linear(4, 4)  # never called in forward: it gets no gradient
+    return w
+
+
+class Result:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+class Boxed(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *batch):
+        return Result(self.inner(*batch))
+
+
+def boxed_output():
+    w = mlp()
+    w.model = Boxed(w.model)
+    return w
+
+
+def mixed_dtypes():
+    w = mlp()
+    w.model.spare = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))  # trained beside the rest
+    w.loss_fn = lambda out, batch, f=w.loss_fn, s=w.model.spare: f(out, batch) + s.sum().float()
     return w
 """
 
@@ -102,3 +130,23 @@ def test_a_rank_that_hangs_is_stopped_within_the_timeout(tmp_path):
     assert "did not finish within 15 s" in str(info.value)
     assert _children() <= before
     assert isinstance(info.value, InputError)  # the CLI prints it as one line, exit status 2
+
+
+def test_an_output_fsdp_cannot_see_into_and_mixed_dtypes_under_zero1_say_why(tmp_path):
+    """FSDP hooks backward on the tensors of the model's output: an object of another class hides them, and the
+    root's parameters stay sharded in backward (PyTorch: an empty storage); ZeroRedundancyOptimizer needs one
+    dtype. Both are refused in terms of the model."""
+    from torch import nn
+
+    from trainledger.workload import Workload
+
+    f = tmp_path / "factories.py"
+    f.write_text(FACTORIES)
+    before = _children()
+    with pytest.raises(InputError, match=r"returns an object of class Result, whose tensors it cannot see"):
+        run(RunConfig(model=f"{f}:boxed_output", world_size=2, strategy="zero3", timeout_seconds=60))
+    assert _children() <= before  # refused before any rank started
+    with pytest.raises(RankError, match=r"needs every trainable parameter in one dtype.*float32, float64"):
+        run(RunConfig(model=f"{f}:mixed_dtypes", world_size=2, strategy="zero1", timeout_seconds=60))
+    tupled = Workload(nn.Linear(3, 2), torch.randn(4, 3), loss_fn=lambda out, _b: out.sum())
+    refuse_outputs_fsdp_cannot_see(tupled)  # a tensor output passes

@@ -487,3 +487,39 @@ def test_ddp_first_bucket_is_small():
     (ar,) = [c for c in res.collectives if c.kind == "all_reduce"]
     # ready order w2 (0.4 MB), w1 (0.8 MB): 1.2 MB >= 1 MiB closes the first bucket; w0 the second
     assert (ar.payload_bytes, ar.num_calls) == (2_400_000, 2)
+
+
+def test_units_are_the_modules_that_run_and_a_unit_called_twice_is_named():
+    """A repeated container (an ``nn.ModuleList`` of layers, a parameter holder with no ``forward``) is never
+    called and FSDP refuses to wrap it: its called submodules are the units, a holder with none leaves its
+    parameters to the root. A unit run twice in one forward is gathered at each call: the prediction says it
+    leaves that out."""
+    import torch
+    from torch import nn
+
+    from trainledger.shard.launch import units_of
+    from trainledger.trace import trace
+    from trainledger.workload import Workload
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList(nn.ModuleList(nn.Linear(4, 4) for _ in range(2)) for _ in range(2))
+            self.gains = nn.ModuleList(Holder() for _ in range(2))
+
+        def forward(self, x):
+            for stage in self.stages:
+                for layer in stage:
+                    x = layer(x) * self.gains[0].g
+            return self.stages[0][0](x).square().mean()  # the first layer again
+
+    assert units_of(Model()) == ("stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1")
+    led = trace(Workload(Model(), torch.randn(3, 4)))
+    res = shard(led, ShardConfig(world_size=2, strategy="zero3", engine="torch", units=units_of(Model())))
+    assert any("unit stages.0.0 runs 2 times in one forward" in n for n in res.notes)
+    assert not any("stages.0.1 runs" in n for n in res.notes)

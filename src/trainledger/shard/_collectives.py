@@ -35,12 +35,14 @@ def step_collectives(ctx: Context) -> list[Collective]:
         grad_numel = sum(p.numel for p in trainable)
         if plan.partition == "flat" and plan.shard_optimizer:
             grad_numel = -(-grad_numel // n) * n  # padded to equal partitions
+        grad_bytes = grad_numel * gsize
         if plan.buffers == "ddp":
             calls = len(ddp_buckets(_ready_order(ctx, trainable), cfg.ddp_bucket_bytes))
+            grad_bytes = sum(p.numel * dtype_bytes(p.dtype) for p in trainable)  # each in its own dtype
         else:
             calls = max(1, -(-grad_numel * gsize // (cfg.reduce_bucket_numel * gsize)))
         kind = "all_reduce" if not plan.shard_optimizer or plan.buffers == "ddp" else "reduce_scatter"
-        out = [Collective(kind, "backward", "gradients", grad_numel * gsize, n, calls)]
+        out = [Collective(kind, "backward", "gradients", grad_bytes, n, calls)]
         by_dtype: dict[str, int] = {}
         for e in ctx.ledger.entries:
             if e.category == Category.OTHER and e.role == "buffer":

@@ -29,9 +29,11 @@ then reduce-scatter) and places each buffer on it, as FSDP2 (``fully_shard``, Py
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from trainledger.declared import RNG_STATE_ROLE
 from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Ledger
 from trainledger.shard._context import Context, added_entry
 from trainledger.shard._partition import resized, shard_rows
@@ -51,10 +53,21 @@ def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tup
     """
     sizes = _unit_sizes(ctx, srank)
     forward, backward = ctx.units_in_order("forward"), ctx.units_in_order("backward")
+    calls = Counter(c.path for c in ctx.ledger.calls if c.path in ctx.units)
+    for unit, n in sorted(calls.items()):
+        if n > 1:
+            ctx.notes.append(
+                f"unit {unit} runs {n} times in one forward: FSDP2 gathers it again at each call, and again in "
+                "backward when a later call's gradient reaches it after its reshard; the prediction gathers a unit "
+                "once per phase (off by up to its gathered size and calls per phase)"
+            )
     clock = _clock(ctx, _hooks(ctx, forward, backward, sizes))
     # what the caller of backward holds through the final callback's reduce-scatters (the loss, the seed)
     held = {(name, event) for name, event in ctx.ledger.meta.get("freed_after_backward", ())}
-    out = [clock.remap(e, after_hooks=(e.name, e.free_event) in held) for e in base]
+    # checkpoint() keeps the RNG state before it calls the unit, so before FSDP's pre-forward hook runs
+    out = [
+        clock.remap(e, after_hooks=(e.name, e.free_event) in held, before_hooks=e.role == RNG_STATE_ROLE) for e in base
+    ]
     out += _forward_buffers(ctx, clock, sizes, forward)
     if ctx.plan.regather_backward:
         out += _backward_buffers(ctx, clock, sizes, backward)
@@ -202,15 +215,17 @@ class _Clock:
     def total(self) -> int:
         return len(self.events)
 
-    def remap(self, e: Entry, *, after_hooks: bool = False) -> Entry:
-        """An entry of the old clock on this one: allocated at its event, freed in the gap before its free
-        (``after_hooks``: after the gap's hooks, as what the caller of backward holds through its final
+    def remap(self, e: Entry, *, after_hooks: bool = False, before_hooks: bool = False) -> Entry:
+        """An entry of the old clock on this one: allocated at its event (``before_hooks``: in the gap before it,
+        ahead of the hooks there, as what a caller makes before it calls the unit), freed in the gap before its
+        free (``after_hooks``: after the gap's hooks, as what the caller of backward holds through its final
         callback)."""
         last = len(self.new_of) - 2  # the last old event
         freed = self.new_of if after_hooks else self.gap_start
+        born = self.gap_start if before_hooks else self.new_of
         return replace(
             e,
-            alloc_event=None if e.alloc_event is None else self.new_of[e.alloc_event],
+            alloc_event=None if e.alloc_event is None else born[e.alloc_event],
             free_event=None if e.free_event is None else freed[e.free_event],
             last_use_event=None if e.last_use_event is None else self.new_of[min(e.last_use_event, last)],
         )

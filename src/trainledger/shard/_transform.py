@@ -202,9 +202,18 @@ def _buffers(ctx: Context) -> list[Entry]:
     numel = sum(p.numel for p in trainable)
     comm = Category.COMMUNICATION
     if plan.buffers == "ddp":
-        # DDP's buckets hold a copy of every gradient (gradient_as_bucket_view=False, the default)
+        # DDP's buckets hold a copy of every gradient (gradient_as_bucket_view=False, the default), a bucket per
+        # dtype: each gradient in its parameter's dtype
+        by_dtype: dict[str, int] = {}
+        for p in trainable:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel * dtype_bytes(p.dtype)
+        name = "DDP gradient buckets"
         return _state_only(
-            ctx, [added_entry("DDP gradient buckets", comm, "ddp_bucket", dtype, numel * size, None, None)]
+            ctx,
+            [
+                added_entry(name if len(by_dtype) == 1 else f"{name} ({d})", comm, "ddp_bucket", d, b, None, None)
+                for d, b in by_dtype.items()
+            ],
         )
     if plan.buffers == "bucket":
         n = min(numel, ctx.config.reduce_bucket_numel)

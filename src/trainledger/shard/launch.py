@@ -215,6 +215,8 @@ def run(config: RunConfig) -> RunResult:
     from trainledger.workload import intra_op_threads, run_step
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
+    if parse_strategy(config.strategy) in ("zero2", "zero3"):
+        refuse_outputs_fsdp_cannot_see(load_workload(config.model))
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
@@ -275,6 +277,25 @@ def late_units(workload: Any, units: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(u for u in units if not seen[u])
 
 
+def refuse_outputs_fsdp_cannot_see(workload: Any) -> None:
+    """FSDP runs its root's pre-backward from hooks on the tensors it finds in the model's output (tensors in
+    tuples, lists, dicts, dataclasses, ``ModelOutput``): an output that hides them (an object of another class
+    with a ``.loss``) leaves the root's parameters sharded in backward, where PyTorch fails on an empty storage."""
+    from torch.utils._pytree import tree_leaves
+
+    from trainledger.workload import call_model
+
+    with torch.no_grad():
+        out = call_model(workload.model, workload.batch)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(out)):
+        raise InputError(
+            f"FSDP (stages 2 and 3) gathers the root's parameters for backward from hooks on the tensors in the "
+            f"model's output, and this model returns an object of class {type(out).__name__}, whose tensors it cannot "
+            "see: return "
+            "the loss or logits (or a tuple, dict or dataclass holding them), or run stage 0 or 1 (DDP)"
+        )
+
+
 def _check_model_spec(spec: str) -> None:
     """A built-in name, or an existing ``file.py:factory`` (the factory itself runs in the ranks)."""
     from trainledger.examples import EXAMPLES
@@ -300,9 +321,21 @@ def refuse_sparse_gradients(model: nn.Module) -> None:
 
 
 def units_of(model: nn.Module) -> tuple[str, ...]:
-    """The units FSDP wraps (each repeated block; the root takes the rest), as :func:`run` wraps them."""
+    """The units FSDP wraps (each repeated block; the root takes the rest), as :func:`run` wraps them.
+
+    A repeated block that is only a container (an ``nn.ModuleList`` of layers, a module that holds parameters
+    and has no ``forward``) is never called, and FSDP refuses to wrap it: its submodules that run are the
+    units instead, and a holder with none leaves its parameters to the root.
+    """
     names = [n for n, _ in model.named_parameters()]
-    return infer_units(names)
+    return tuple(u for unit in infer_units(names) for u in _called_units(model, unit))
+
+
+def _called_units(model: nn.Module, path: str) -> list[str]:
+    module = model.get_submodule(path)
+    if type(module).forward is not nn.Module.forward:
+        return [path]
+    return [u for name, _ in module.named_children() for u in _called_units(model, f"{path}.{name}")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,7 +731,7 @@ def _wrap(workload: Any, strategy: str) -> None:
         if strategy == "zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            probe = factory([p for p in workload.model.parameters() if p.requires_grad])
+            probe = factory(params_of(workload.model))
             cls = type(probe)
             accepted = _init_keywords(cls)  # defaults may hold derived keys
             defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
@@ -708,11 +741,16 @@ def _wrap(workload: Any, strategy: str) -> None:
                 try:
                     return ZeroRedundancyOptimizer(list(params), optimizer_class=cls, **defaults)
                 except Exception as exc:
+                    if "same dense type" in str(exc):
+                        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params_of(workload.model)})
+                        raise InputError(
+                            "ZeroRedundancyOptimizer (zero1) needs every trainable parameter in one dtype, and this "
+                            f"model trains {', '.join(dtypes)}: run stage 0, 2 or 3"
+                        ) from None
                     raise InputError(
                         f"ZeroRedundancyOptimizer (zero1) builds {cls.__name__} itself over each rank's parameter "
-                        f"groups (dicts with a 'params' list), and {cls.__name__} raised {type(exc).__name__}: "
-                        f"{exc}; give an optimizer class that takes parameter groups as torch.optim's do, or run "
-                        "another stage"
+                        f"groups (dicts with a 'params' list), and that raised {type(exc).__name__}: {exc}; give an "
+                        "optimizer class that takes parameter groups as torch.optim's do, or run another stage"
                     ) from None
 
             workload.optimizer = zero
@@ -727,6 +765,11 @@ def _wrap(workload: Any, strategy: str) -> None:
         fully_shard(workload.model.get_submodule(unit), mesh=mesh, reshard_after_forward=reshard)
     fully_shard(workload.model, mesh=mesh, reshard_after_forward=reshard)
     workload.optimizer = factory
+
+
+def params_of(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the step trains."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _init_keywords(cls: type) -> set[str]:
