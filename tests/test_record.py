@@ -677,3 +677,39 @@ def test_what_a_module_around_the_model_makes_is_not_the_loops_input() -> None:
     bucket = 4 * sum(p.numel() for p in model.parameters())
     assert [e.nbytes for e in led.entries if e.role == "loop_input"] == [32]  # the int64 targets
     assert [e.category for e in led.entries if e.nbytes == bucket and e.alloc_event is not None] == [Category.WORKSPACE]
+
+
+def test_an_optimizer_of_another_model_is_refused() -> None:
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    with pytest.raises(InputError, match=r"the SGD given to record\(\) trains none of Linear's parameters"):
+        record(model, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_a_batch_held_before_the_step_and_a_container_called_by_parts_name_the_step_inputs() -> None:
+    """A batch the loop holds from before the step (a dataset in memory) is the step's input once the model is
+    called with it, not a tensor the loop holds; a container the loop never calls (a GAN's generator and
+    discriminator in a ModuleDict) marks what the loop hands its modules, not what one module hands the other."""
+    torch.manual_seed(0)
+    nets = nn.ModuleDict({"g": nn.Linear(8, 16), "d": nn.Linear(16, 1)})
+    opt_g = torch.optim.Adam(nets["g"].parameters())
+    opt_d = torch.optim.Adam(nets["d"].parameters())
+    real = [torch.randn(32, 16) for _ in range(3)]
+    with record(nets, opt_g, opt_d, steps=[1]) as rec:
+        for x in real:
+            z = torch.randn(32, 8)
+            fake = nets["g"](z)
+            loss_d = nets["d"](x).mean() - nets["d"](fake.detach()).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            loss_g = -nets["d"](fake).mean()
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+    led = rec.ledger(step=1)
+    inputs = {(e.name, e.nbytes) for e in led.select(category=Category.INPUTS)}
+    assert sorted(n for _, n in inputs) == [32 * 8 * 4, 32 * 16 * 4]  # the noise made in the step, the held batch
+    held = [e for e in led.entries if e.role == "held" and e.shape == (32, 16) and e.free_event is None]
+    assert len(held) == 2  # the other steps' batches (the last step's generated batch goes as it is replaced)
+    fakes = [e for e in led.entries if e.nbytes == 32 * 16 * 4 and e.alloc_event is not None]
+    assert fakes and all(e.category != Category.INPUTS for e in fakes)  # the generator's output is not an input

@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from trainledger.checks import describe, instance_of
 from trainledger.errors import InputError
 from trainledger.inventory import iter_state, storage_key, trained_outside
-from trainledger.ledger import Category, Entry, Ledger, Peak
+from trainledger.ledger import ROOT_SCOPE, Category, Entry, Ledger, Peak
 from trainledger.record._compiled import (
     CompiledRegions,
     compiled_modules,
@@ -122,6 +122,12 @@ class _LoopTracer(StepTracer):
             self.phase = _OUTSIDE.get(self.after, "zero_grad")
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def made_by_a_module(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was made during the step inside one of the model's modules (an output of the
+        generator handed to the discriminator), not by the loop."""
+        rec = self.storages.get(storage_key(t)) if t.layout is torch.strided else None
+        return rec is not None and rec.alloc_event is not None and rec.owner not in ("", ROOT_SCOPE)
+
     def mark_prepared(self) -> None:
         """As the model is called: name each storage the loop made since the last op that ran in forward (a
         module's, or the loss's) or in backward, and still holds, as the step's input (role ``loop_input``), up to
@@ -144,6 +150,21 @@ class _LoopTracer(StepTracer):
         if self.saved_in_region is not None and t.layout is torch.strided and storage_key(t) not in self.storages:
             self.saved_in_region.append(t)
         return super().pack(t)
+
+
+def _refuse_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """An optimizer that trains none of the model's parameters is another model's (``record(m, o2)`` where the loop
+    steps ``m``'s own): its steps would never end the model's, and every iteration would be one step."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    if not trained:
+        return
+    for opt in optimizers:
+        if not any(id(p) in trained for g in opt.param_groups for p in g["params"]):
+            raise InputError(
+                f"the {type(opt).__name__} given to record() trains none of {type(model).__name__}'s parameters; "
+                "give it the optimizer the loop steps for this model (a step ends when each optimizer given has "
+                "stepped)"
+            )
 
 
 _OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
@@ -227,6 +248,7 @@ class Recording(contextlib.ContextDecorator):
                 "record() was given the same optimizer twice; give each optimizer once (a step ends when each has "
                 "stepped)"
             )
+        _refuse_foreign_optimizers(model, optimizers)
         # held weakly but while the loop runs inside: a recording kept to read its ledgers must not keep the model
         # and its optimizer state alive (on a GPU, all of its memory) once the loop has let go of them
         self._model = weakref.ref(model)
@@ -274,6 +296,10 @@ class Recording(contextlib.ContextDecorator):
             # what the optimizers train beside the model (a soft prompt): found once, not at every step
             self._beside = [named for opt in self.optimizers for named in trained_outside(self.model, opt)]
             self._handles.append(self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+            if type(self.model).forward is nn.Module.forward:  # a container the loop never calls: its modules
+                for child in self.model.children():
+                    hook = functools.partial(self._before_forward, from_loop_only=True)
+                    self._handles.append(child.register_forward_pre_hook(hook, with_kwargs=True))
             for opt in self.optimizers:
                 self._handles.append(opt.register_step_pre_hook(self._before_optimizer))
                 self._handles.append(opt.register_step_post_hook(self._after_optimizer))
@@ -334,13 +360,18 @@ class Recording(contextlib.ContextDecorator):
 
     # --- hooks ----------------------------------------------------------------------------------
 
-    def _before_forward(self, _model: nn.Module, args: Any, kwargs: Any) -> None:
-        """The model's inputs, made during the step (the batch moved to the device): inputs, not workspace; and
-        what the loop made since the last op of a module, of backward or of the loss and still holds as the
-        model is called (the loss's targets, a mask, a diffusion step's noise): the step's inputs too."""
+    def _before_forward(self, _model: nn.Module, args: Any, kwargs: Any, *, from_loop_only: bool = False) -> None:
+        """The model's inputs, made during the step (the batch moved to the device) or held by the loop since
+        before it (a batch already in memory): inputs, not workspace; and what the loop made since the last op
+        of a module, of backward or of the loss and still holds as the model is called (the loss's targets, a
+        mask, a diffusion step's noise): the step's inputs too. ``from_loop_only``: a module of a container the
+        loop calls by parts (a GAN's generator and discriminator), whose inputs may be another's outputs."""
         if self._live is not None:
             tracer = self._live.tracer
-            for i, t in enumerate(iter_tensors((args, kwargs))):
+            tensors = list(iter_tensors((args, kwargs)))
+            if from_loop_only:
+                tensors = [t for t in tensors if not tracer.made_by_a_module(t)]
+            for i, t in enumerate(tensors):
                 tracer.mark(t, Category.INPUTS, "batch", f"batch[{i}]")
             tracer.mark_prepared()
 

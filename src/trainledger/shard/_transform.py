@@ -93,7 +93,7 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
     if len(starts) < config.world_size:
         ctx.notes.append(
             f"{len(starts)} distinct rank(s) of {config.world_size:,} computed; the others hold exactly what "
-            "the first rank of their class holds (even partitions make ranks identical)"
+            "the first rank of their class holds (ranks differ only where a partition is uneven)"
         )
     collectives = tuple(step_collectives(ctx))
     return ShardResult(config, plan.label, ledger, ranks, collectives, tuple(units), tuple(dict.fromkeys(ctx.notes)))

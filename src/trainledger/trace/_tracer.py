@@ -495,7 +495,7 @@ class StepTracer(TorchDispatchMode):
 
     def mark(self, t: torch.Tensor, category: Category, role: str, name: str) -> None:
         """Name a storage allocated during the step that turned out to be a gradient or optimizer state (a
-        sparse gradient: each of its parts)."""
+        sparse gradient: each of its parts), or a step's input (one the loop held from before, too)."""
         t = local_tensor(t)
         if t.layout is not _STRIDED:
             for part in storage_parts(t):
@@ -508,6 +508,9 @@ class StepTracer(TorchDispatchMode):
         if rec.category is None:
             rec.category, rec.role, rec.name = category, role, name
             rec.parameter = None
+        elif rec.role == "held" and category is Category.INPUTS:
+            # a tensor the loop held from before the step (a batch already in memory) and called the model with
+            rec.category, rec.role, rec.name = category, role, name
         elif rec.role == "captured" and category is Category.OPTIMIZER:
             # optimizer state made during the step without an op (AdamW's step counter, ``torch.tensor(0.0)``
             # on the first step), first met as an op's input: state existing before the step was declared
