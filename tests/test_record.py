@@ -713,3 +713,22 @@ def test_a_batch_held_before_the_step_and_a_container_called_by_parts_name_the_s
     assert len(held) == 2  # the other steps' batches (the last step's generated batch goes as it is replaced)
     fakes = [e for e in led.entries if e.nbytes == 32 * 16 * 4 and e.alloc_event is not None]
     assert fakes and all(e.category != Category.INPUTS for e in fakes)  # the generator's output is not an input
+
+
+def test_an_evaluation_between_steps_is_said_in_the_next_steps_notes() -> None:
+    """What runs after ``optimizer.step()`` opens the next step, so an evaluation there is that step's forward
+    (its peak may be the evaluation's): the step's notes say the model ran under no_grad, and how often."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, opt) as rec:
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                model(torch.randn(256, 8))
+    said = [[n for n in rec.ledger(step=k).notes if "under no_grad" in n] for k in rec.steps]
+    assert said[0] == [] and all(len(s) == 1 and "ran 1 time under no_grad" in s[0] for s in said[1:])
+    assert rec.ledger(step=1).peak().phase == "forward"  # the evaluation's batch is 64 times the step's

@@ -89,6 +89,7 @@ from trainledger.trace import (
     traced_ledger,
     with_kernel_workspace,
 )
+from trainledger.units import counted
 from trainledger.workload import iter_tensors
 
 _current_node = torch._C._current_autograd_node
@@ -150,6 +151,19 @@ class _LoopTracer(StepTracer):
         if self.saved_in_region is not None and t.layout is torch.strided and storage_key(t) not in self.storages:
             self.saved_in_region.append(t)
         return super().pack(t)
+
+
+def _no_grad_calls_note(tracer: StepTracer) -> tuple[str, ...]:
+    """A note when the model ran under ``no_grad`` in the step (an evaluation between two steps, targets computed by
+    the model itself): what those calls made is counted with the step's forward."""
+    calls = [c for c in tracer.module_calls() if c.path == ROOT_SCOPE]
+    quiet = sum(not c.grad for c in calls)
+    if not quiet:
+        return ()
+    return (
+        f"the model ran {counted(quiet, 'time')} under no_grad in this step (of {len(calls)} calls): what those calls "
+        "made (an evaluation's activations and temporaries) is counted in this step's forward phase",
+    )
 
 
 def _refuse_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -512,6 +526,7 @@ class Recording(contextlib.ContextDecorator):
                 *eager_note(eager),
                 *eager_functions_note(eager_calls),
                 *((SKIPPED_NOTE,) if live.skipped else ()),
+                *_no_grad_calls_note(tracer),
             ),
             meta={"step": live.index, "recorded": True, **({"skipped": True} if live.skipped else {}), **_rank()},
         )
