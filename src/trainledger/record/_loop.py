@@ -166,18 +166,21 @@ def _no_grad_calls_note(tracer: StepTracer) -> tuple[str, ...]:
     )
 
 
-def _refuse_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    """An optimizer that trains none of the model's parameters is another model's (``record(m, o2)`` where the loop
-    steps ``m``'s own): its steps would never end the model's, and every iteration would be one step."""
+def _warn_of_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """An optimizer that trains none of the model's parameters is most likely another model's (``record(m, o2)``
+    where the loop steps ``m``'s own): its steps would never end the model's, and every iteration would be one
+    step. Said, not refused: prompt tuning trains only what is beside a model whose weights may still ask for
+    gradients."""
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     if not trained:
         return
     for opt in optimizers:
         if not any(id(p) in trained for g in opt.param_groups for p in g["params"]):
-            raise InputError(
+            warnings.warn(
                 f"the {type(opt).__name__} given to record() trains none of {type(model).__name__}'s parameters; "
-                "give it the optimizer the loop steps for this model (a step ends when each optimizer given has "
-                "stepped)"
+                "if the loop steps another optimizer for this model, give that one (a step ends when each optimizer "
+                "given has stepped)",
+                stacklevel=4,
             )
 
 
@@ -262,7 +265,7 @@ class Recording(contextlib.ContextDecorator):
                 "record() was given the same optimizer twice; give each optimizer once (a step ends when each has "
                 "stepped)"
             )
-        _refuse_foreign_optimizers(model, optimizers)
+        _warn_of_foreign_optimizers(model, optimizers)
         # held weakly but while the loop runs inside: a recording kept to read its ledgers must not keep the model
         # and its optimizer state alive (on a GPU, all of its memory) once the loop has let go of them
         self._model = weakref.ref(model)

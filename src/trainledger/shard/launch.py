@@ -291,8 +291,7 @@ def refuse_outputs_fsdp_cannot_see(workload: Any) -> None:
         raise InputError(
             f"FSDP (stages 2 and 3) gathers the root's parameters for backward from hooks on the tensors in the "
             f"model's output, and this model returns an object of class {type(out).__name__}, whose tensors it cannot "
-            "see: return "
-            "the loss or logits (or a tuple, dict or dataclass holding them), or run stage 0 or 1 (DDP)"
+            "see: return the loss or logits (or a tuple, dict or dataclass holding them), or run stage 0 or 1 (DDP)"
         )
 
 
