@@ -57,6 +57,11 @@ def boxed_output():
     return w
 
 
+def seeded_by_rank():
+    torch.manual_seed(dist.get_rank())  # the parent builds the reference as rank 0 of a group of its own
+    return mlp()
+
+
 def mixed_dtypes():
     w = mlp()
     w.model.spare = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))  # trained beside the rest
@@ -150,3 +155,12 @@ def test_an_output_fsdp_cannot_see_into_and_mixed_dtypes_under_zero1_say_why(tmp
         run(RunConfig(model=f"{f}:mixed_dtypes", world_size=2, strategy="zero1", timeout_seconds=60))
     tupled = Workload(nn.Linear(3, 2), torch.randn(4, 3), loss_fn=lambda out, _b: out.sum())
     refuse_outputs_fsdp_cannot_see(tupled)  # a tensor output passes
+
+
+def test_a_factory_that_asks_for_its_rank_is_run_and_predicted(tmp_path):
+    f = tmp_path / "factories.py"
+    f.write_text(FACTORIES)
+    res = run(RunConfig(model=f"{f}:seeded_by_rank", world_size=2, strategy="zero3", timeout_seconds=120))
+    ranks = res.to_dict()["ranks"]
+    assert all(r["predicted_peak_bytes"] == r["traced_peak_bytes"] for r in ranks)
+    assert not torch.distributed.is_initialized()  # the parent's group of one is gone

@@ -216,18 +216,20 @@ def run(config: RunConfig) -> RunResult:
 
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     if parse_strategy(config.strategy) in ("zero2", "zero3"):
-        refuse_outputs_fsdp_cannot_see(load_workload(config.model))
+        with as_rank_zero():
+            refuse_outputs_fsdp_cannot_see(config.model)
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
     # the reference step is taken at the ranks' point in training: what a data-dependent model (MoE
     # routing) allocates depends on its weights
-    single = load_workload(config.model)
-    with intra_op_threads(rank_threads(config.world_size)):  # a kernel's buffers inside follow the count
-        for _ in range(STEPS_BEFORE_TRACE):
-            run_step(single)
-        reference = trace(single)
-    workload = load_workload(config.model)
+    with as_rank_zero():
+        single = load_workload(config.model)
+        with intra_op_threads(rank_threads(config.world_size)):  # a kernel's buffers inside follow the count
+            for _ in range(STEPS_BEFORE_TRACE):
+                run_step(single)
+            reference = trace(single)
+        workload = load_workload(config.model)
     units = units_of(workload.model)
     prediction = shard(
         reference,
@@ -277,16 +279,41 @@ def late_units(workload: Any, units: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(u for u in units if not seen[u])
 
 
+@contextlib.contextmanager
+def as_rank_zero() -> Iterator[None]:
+    """Inside, this process is rank 0 of a process group of its own (unless it is in one already), so that a
+    factory that asks for its rank (to seed by it) builds here what rank 0 builds. The prediction takes every
+    rank to run the workload's whole batch: a factory that divides the data by the world size builds all of it
+    here."""
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def refuse_outputs_fsdp_cannot_see(workload: Any) -> None:
     """FSDP runs its root's pre-backward from hooks on the tensors it finds in the model's output (tensors in
     tuples, lists, dicts, dataclasses, ``ModelOutput``): an output that hides them (an object of another class
-    with a ``.loss``) leaves the root's parameters sharded in backward, where PyTorch fails on an empty storage."""
+    with a ``.loss``) leaves the root's parameters sharded in backward, where PyTorch fails on an empty storage.
+
+    ``workload``: a Workload, or the spec of one, built here, outside any process group; a factory or a forward
+    that fails here (one that asks for its rank) is left to the ranks, which say what is wrong."""
     from torch.utils._pytree import tree_leaves
 
+    from trainledger.sources import load_workload
     from trainledger.workload import call_model
 
-    with torch.no_grad():
-        out = call_model(workload.model, workload.batch)
+    try:
+        if isinstance(workload, str):
+            workload = load_workload(workload)
+        with torch.no_grad():
+            out = call_model(workload.model, workload.batch)
+    except Exception:
+        return
     if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(out)):
         raise InputError(
             f"FSDP (stages 2 and 3) gathers the root's parameters for backward from hooks on the tensors in the "
@@ -392,7 +419,8 @@ def reference_step(
     from trainledger.trace import trace
     from trainledger.workload import intra_op_threads
 
-    workload = load_workload(model)
+    with as_rank_zero():
+        workload = load_workload(model)
     refuse_sparse_gradients(workload.model)
     threads = torch.get_num_threads() if kernel_kind == "cuda" else rank_threads(world_size)
     with intra_op_threads(threads):
