@@ -153,9 +153,9 @@ class Planner:
         if cached:
             cs = replace(cs, notes=(*cs.notes, CACHE_OFF_NOTE))
         lm = linear_model(cs, cost=cost)
-        floor, choice = min_peak(lm)
-        # the floor plan's own replay, as every plan's predicted peak is: the linear model adds up each region's
-        # change alone, which can miss where two adjacent regions share what they keep
+        _, choice = min_peak(lm)
+        # the floor is the floor plan's own replay, as every plan's predicted peak is: the linear model adds up
+        # each region's change alone, which can miss where two adjacent regions share what they keep
         floor = replay(cs, choice).peak().bytes
         name = gpu.name if gpu is not None else None
         return cls(

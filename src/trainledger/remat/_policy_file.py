@@ -179,16 +179,17 @@ def cache_off(model: nn.Module, *, warn: bool = True) -> bool:
     ``use_cache``. :func:`cache_back` turns them on again. Returns whether any was on."""
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     cached = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
-    if cached and warn:
+    if not cached:
+        return False
+    if warn:
         warnings.warn(
             "model.config.use_cache=True does not go with recomputation: set to False until the plan is removed",
             stacklevel=3,
         )
-    if cached:
-        for config in cached:
-            config.use_cache = False
-        model.__dict__[_CACHE_WAS_ON] = cached
-    return bool(cached)
+    for config in cached:
+        config.use_cache = False
+    model.__dict__[_CACHE_WAS_ON] = cached
+    return True
 
 
 def cache_back(model: nn.Module) -> None:

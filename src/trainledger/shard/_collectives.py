@@ -38,7 +38,7 @@ def step_collectives(ctx: Context) -> list[Collective]:
         grad_bytes = grad_numel * gsize
         if plan.buffers == "ddp":
             calls = len(ddp_buckets(_ready_order(ctx, trainable), cfg.ddp_bucket_bytes))
-            grad_bytes = sum(p.numel * dtype_bytes(p.dtype) for p in trainable)  # each in its own dtype
+            grad_bytes = sum(ctx.gradient_bytes_by_dtype().values())  # each in its own dtype
         else:
             calls = max(1, -(-grad_numel * gsize // (cfg.reduce_bucket_numel * gsize)))
         kind = "all_reduce" if not plan.shard_optimizer or plan.buffers == "ddp" else "reduce_scatter"

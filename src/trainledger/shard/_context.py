@@ -174,6 +174,15 @@ class Context:
         own = [e.dtype for e in self.ledger.entries if e.category == Category.GRADIENTS and e.name in trained]
         return own[0] if own else self.grad_dtype_bytes()[0]
 
+    def gradient_bytes_by_dtype(self) -> dict[str, int]:
+        """Bytes of the trainable parameters' gradients per dtype, each in its parameter's dtype (DDP keeps a
+        bucket per dtype)."""
+        out: dict[str, int] = {}
+        for p in self.params:
+            if p.category == Category.WEIGHTS:
+                out[p.dtype] = out.get(p.dtype, 0) + p.numel * dtype_bytes(p.dtype)
+        return out
+
     def grad_dtype_bytes(self) -> tuple[str, int]:
         """``(dtype, bytes per element)`` of the model's gradients (of its parameters when none is listed)."""
         grads = [e for e in self.ledger.entries if e.category == Category.GRADIENTS and e.role == "grad"]

@@ -53,14 +53,6 @@ def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tup
     """
     sizes = _unit_sizes(ctx, srank)
     forward, backward = ctx.units_in_order("forward"), ctx.units_in_order("backward")
-    calls = Counter(c.path for c in ctx.ledger.calls if c.path in ctx.units)
-    for unit, n in sorted(calls.items()):
-        if n > 1:
-            ctx.notes.append(
-                f"unit {unit} runs {n} times in one forward: FSDP2 gathers it again at each call, and again in "
-                "backward when a later call's gradient reaches it after its reshard; the prediction gathers a unit "
-                "once per phase (off by up to its gathered size and calls per phase)"
-            )
     clock = _clock(ctx, _hooks(ctx, forward, backward, sizes))
     # what the caller of backward holds through the final callback's reduce-scatters (the loss, the seed)
     held = {(name, event) for name, event in ctx.ledger.meta.get("freed_after_backward", ())}
@@ -74,6 +66,18 @@ def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tup
     out += _reduce_scatter_buffers(ctx, clock, sizes)
     out += _gradients(ctx, clock, srank)
     return clock.events, out
+
+
+def repeated_unit_notes(ctx: Context) -> list[str]:
+    """What the timeline leaves out: a unit called more than once in one forward, which FSDP2 gathers at every call."""
+    calls = Counter(c.path for c in ctx.ledger.calls if c.path in ctx.units)
+    return [
+        f"unit {unit} runs {n} times in one forward: FSDP2 gathers it again at each call, and again in backward when "
+        "a later call's gradient reaches it after its reshard; the prediction gathers a unit once per phase (off by "
+        "up to its gathered size and calls per phase)"
+        for unit, n in sorted(calls.items())
+        if n > 1
+    ]
 
 
 # --- what each unit gathers and reduces ----------------------------------------------------------------
@@ -143,12 +147,17 @@ def _hooks(ctx: Context, forward: list[str], backward: list[str], sizes: _UnitSi
     return before
 
 
+def _module_order(ctx: Context) -> dict[str, int]:
+    """Each unit's place in module order, the root first: the order backward's final callback walks them in."""
+    return {u: k for k, u in enumerate(("", *ctx.units))}
+
+
 def _in_gap_order(ctx: Context, hooks: Sequence[_Hook]) -> list[_Hook]:
     """Hooks of one gap in the order they run: post-backwards first — hooked units inside autograd
     (innermost first), then the final callback's in module order — then the pre-hooks, outermost first."""
     if not hooks:
         return []
-    late, module_order = _late(ctx), {u: k for k, u in enumerate(("", *ctx.units))}
+    late, module_order = _late(ctx), _module_order(ctx)
 
     def post_key(h: _Hook) -> tuple[int, int]:
         return (1, module_order.get(h.unit, 0)) if h.unit in late else (0, -len(h.unit))
@@ -342,7 +351,7 @@ def _final_turn(ctx: Context, clock: _Clock, unit: str) -> int:
     """Where backward's final callback reaches ``unit``: it walks the units in module order, the root first,
     reducing the late ones; ``unit`` (which reduces nothing) is resharded and its unused prefetch freed after
     the late units before it."""
-    order = {u: k for k, u in enumerate(("", *ctx.units))}
+    order = _module_order(ctx)
     later = [
         clock.at[("post_backward", u)]
         for u in _late(ctx)
