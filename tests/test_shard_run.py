@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 from trainledger.examples import mlp
+from trainledger.workload import Workload
 
 def raises_on_rank_1():
     if dist.get_rank() == 1:
@@ -60,6 +61,36 @@ def boxed_output():
 def seeded_by_rank():
     torch.manual_seed(dist.get_rank())  # the parent builds the reference as rank 0 of a group of its own
     return mlp()
+
+
+class TwoBlocksOneProjection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        proj = torch.nn.Linear(8, 8, bias=False)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), proj) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def shared_by_two_blocks():
+    return Workload(TwoBlocksOneProjection(), torch.randn(4, 8), loss_fn=lambda out, _b: out.square().mean())
+
+
+def scalar_temperature():
+    w = mlp()
+    w.model.temperature = torch.nn.Parameter(torch.tensor(2.0))
+    w.loss_fn = lambda out, batch, f=w.loss_fn, t=w.model.temperature: f(out / t, batch)
+    return w
+
+
+def rprop():
+    w = mlp()
+    w.optimizer = torch.optim.Rprop
+    return w
 
 
 def mixed_dtypes():
@@ -155,6 +186,26 @@ def test_an_output_fsdp_cannot_see_into_and_mixed_dtypes_under_zero1_say_why(tmp
         run(RunConfig(model=f"{f}:mixed_dtypes", world_size=2, strategy="zero1", timeout_seconds=60))
     tupled = Workload(nn.Linear(3, 2), torch.randn(4, 3), loss_fn=lambda out, _b: out.sum())
     refuse_outputs_fsdp_cannot_see(tupled)  # a tensor output passes
+
+
+def test_what_fsdp_cannot_shard_is_refused_before_any_rank_starts_and_an_optimizer_it_cannot_step_says_why(
+    tmp_path,
+):
+    """FSDP2 fails in the middle of the step on a parameter two units share (PyTorch: "value was None"), refuses a
+    0-dim parameter by its last name, and DTensor cannot run Rprop's indexing on shards: each in the model's terms.
+    Stages 0 and 1 run them all."""
+    f = tmp_path / "factories.py"
+    f.write_text(FACTORIES)
+    before = _children()
+    with pytest.raises(InputError, match=r"blocks.0.1.weight is shared by blocks.0 and blocks.1 .*stage 0 or 1"):
+        run(RunConfig(model=f"{f}:shared_by_two_blocks", world_size=2, strategy="zero3", timeout_seconds=60))
+    with pytest.raises(InputError, match=r"0-dim parameter, and this model has 1 \(temperature\)"):
+        run(RunConfig(model=f"{f}:scalar_temperature", world_size=2, strategy="zero2", timeout_seconds=60))
+    assert _children() <= before  # refused before any rank started
+    with pytest.raises(RankError, match=r"runs aten.index_put_.default on them.*Rprop"):
+        run(RunConfig(model=f"{f}:rprop", world_size=2, strategy="zero3", timeout_seconds=120))
+    res = run(RunConfig(model=f"{f}:shared_by_two_blocks", world_size=2, strategy="zero1", timeout_seconds=120))
+    assert all(r["predicted_peak_bytes"] == r["traced_peak_bytes"] for r in res.to_dict()["ranks"])
 
 
 def test_a_factory_that_asks_for_its_rank_is_run_and_predicted(tmp_path):

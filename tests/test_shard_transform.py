@@ -523,3 +523,39 @@ def test_units_are_the_modules_that_run_and_a_unit_called_twice_is_named():
     res = shard(led, ShardConfig(world_size=2, strategy="zero3", engine="torch", units=units_of(Model())))
     assert any("unit stages.0.0 runs 2 times in one forward" in n for n in res.notes)
     assert not any("stages.0.1 runs" in n for n in res.notes)
+
+
+def test_a_prediction_fsdp2_would_not_run_says_so():
+    """A parameter two units share, or a 0-dim one: FSDP2 would not run the model (``shard --run`` refuses it
+    before any rank starts); the prediction says so, naming the parameter by every name it goes by."""
+    import torch
+    from torch import nn
+
+    from trainledger.shard.launch import units_of
+    from trainledger.trace import trace
+    from trainledger.workload import Workload
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shared = nn.Linear(6, 6)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), shared) for _ in range(3))
+            self.gain = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return (x * self.gain).square().mean()
+
+    model = Model()
+    led = trace(Workload(model, torch.randn(5, 6)))
+    res = shard(led, ShardConfig(world_size=2, strategy="zero3", engine="torch", units=units_of(model)))
+    (scalar,) = [n for n in res.notes if "0-dim" in n]
+    assert "has 1 (gain)" in scalar
+    (shared,) = [n for n in res.notes if "shared by" in n]  # weight and bias, each under all three units
+    assert "and 1 more are shared by layers.0 and layers.1 and layers.2 (as layers.0.1." in shared
+    plain = Workload(
+        nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1)), torch.randn(5, 6), loss_fn=lambda o, _b: o.sum()
+    )
+    res = shard(trace(plain), ShardConfig(world_size=2, strategy="zero3", engine="torch"))
+    assert not any("would not run" in n for n in res.notes)

@@ -37,7 +37,7 @@ from trainledger.declared import RNG_STATE_ROLE
 from trainledger.ledger import ROOT_SCOPE, Category, Entry, Event, Ledger
 from trainledger.shard._context import Context, added_entry
 from trainledger.shard._partition import resized, shard_rows
-from trainledger.shard._units import unit_of
+from trainledger.shard._units import fsdp_cannot_shard, unit_of
 from trainledger.units import dtype_bytes
 
 _COMM, _WEIGHTS = Category.COMMUNICATION, Category.WEIGHTS
@@ -68,10 +68,14 @@ def fsdp_rank_timeline(ctx: Context, srank: int, base: list[Entry]) -> tuple[tup
     return clock.events, out
 
 
-def repeated_unit_notes(ctx: Context) -> list[str]:
-    """What the timeline leaves out: a unit called more than once in one forward, which FSDP2 gathers at every call."""
+def fsdp_notes(ctx: Context) -> list[str]:
+    """What the timeline leaves out: a unit called more than once in one forward, which FSDP2 gathers at every call;
+    and what FSDP2 would refuse to run (a 0-dim parameter, one shared by two units)."""
     calls = Counter(c.path for c in ctx.ledger.calls if c.path in ctx.units)
-    return [
+    # a traced entry's shape is its tensor's; one of an unknown shape is taken as 0-dim only if it holds one element
+    params = [((p.name, *p.aliases), p.shape or ((p.numel,) if p.numel != 1 else ())) for p in ctx.params]
+    refused = [f"FSDP2 would not run this model: it {problem}" for problem in fsdp_cannot_shard(params, ctx.units)]
+    return refused + [
         f"unit {unit} runs {n} times in one forward: FSDP2 gathers it again at each call, and again in backward when "
         "a later call's gradient reaches it after its reshard; the prediction gathers a unit once per phase (off by "
         "up to its gathered size and calls per phase)"

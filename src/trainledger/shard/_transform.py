@@ -43,7 +43,7 @@ from trainledger.ledger import Category, Entry, Ledger
 from trainledger.shard._collectives import step_collectives
 from trainledger.shard._config import ShardConfig, plan_for
 from trainledger.shard._context import Context, added_entry, shardable_frozen, traced_step
-from trainledger.shard._fsdp import fsdp_rank_timeline, repeated_unit_notes
+from trainledger.shard._fsdp import fsdp_notes, fsdp_rank_timeline
 from trainledger.shard._optimizer import optimizer_workspace, resequence_optimizer
 from trainledger.shard._partition import resized, shard_rows
 from trainledger.shard._result import RankLedgers, ShardResult
@@ -89,7 +89,7 @@ def shard(ledger: Ledger, config: ShardConfig | None = None, **kwargs: Any) -> S
         return ShardResult(config, plan.label, ledger, (single,), (), tuple(units), (note,))
     ctx = Context(ledger, config, plan, units)
     if plan.buffers == "fsdp" and ctx.traced:
-        ctx.notes += repeated_unit_notes(ctx)
+        ctx.notes += fsdp_notes(ctx)
     starts = ctx.rank_classes()
     ranks = RankLedgers(config.world_size, plan.shard_size, starts, [rank_ledger(ctx, r) for r in starts])
     if len(starts) < config.world_size:

@@ -62,3 +62,37 @@ def in_model(module: str, *, reference: bool = False) -> bool:
     if reference and (module == REFERENCE_SCOPE or module.startswith(REFERENCE_SCOPE + ".")):
         return False
     return module == ROOT_SCOPE or (module != "" and not module.startswith("("))
+
+
+def fsdp_cannot_shard(params: Sequence[tuple[Sequence[str], tuple[int, ...]]], units: Sequence[str]) -> list[str]:
+    """What FSDP2 (``fully_shard`` on each unit, then on the root) refuses or fails on among the parameters, each
+    given as the names it goes by and its shape: a 0-dim parameter (refused), and one used under more than one
+    unit (or under a unit and the root's own modules), which is a shard of the unit that took it wherever another
+    uses it. Each problem is a clause to follow "FSDP (stages 2 and 3) ".
+
+    Example:
+        >>> fsdp_cannot_shard([(["h.0.w"], (4,)), (["h.0.p.w", "h.1.p.w"], (4, 4))], ["h.0", "h.1"])[0][:73]
+        'shards each parameter with one unit, and h.0.p.w is shared by h.0 and h.1'
+    """
+    problems = []
+    scalars = [names[0] for names, shape in params if not shape]
+    if scalars:
+        listed = ", ".join(scalars[:4]) + (", ..." if len(scalars) > 4 else "")
+        problems.append(
+            f"cannot shard a 0-dim parameter, and this model has {len(scalars)} ({listed}): make each a 1-element "
+            "1-D tensor (nn.Parameter(torch.tensor([x])))"
+        )
+    shared: dict[tuple[str, ...], list[Sequence[str]]] = {}  # the units sharing -> the parameters they share
+    for names, _shape in params:
+        holders = tuple(dict.fromkeys(unit_of(n, units) or "the root" for n in names))
+        if len(holders) > 1:
+            shared.setdefault(holders, []).append(names)
+    for holders, shared_names in shared.items():
+        first = shared_names[0]
+        what = f"{first[0]} is" if len(shared_names) == 1 else f"{first[0]} and {len(shared_names) - 1} more are"
+        problems.append(
+            f"shards each parameter with one unit, and {what} shared by {' and '.join(holders)} (as "
+            f"{', '.join(first)}): the others would find them sharded; hold a shared module outside the repeated "
+            "blocks (in the model's root, used from its forward)"
+        )
+    return problems

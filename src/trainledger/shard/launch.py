@@ -57,6 +57,7 @@ from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 from trainledger.shard import Collective, ShardConfig, ShardResult, Strategy, infer_units, parse_strategy, shard
 from trainledger.shard._observe import SETTLE_SECONDS, CollectiveCounter, settled_collectives
+from trainledger.shard._units import fsdp_cannot_shard
 
 RUN_STRATEGIES: tuple[Strategy, ...] = ("zero0", "zero1", "zero2", "zero3")
 RANKS_PER_CPU = 4
@@ -217,7 +218,7 @@ def run(config: RunConfig) -> RunResult:
     _check_model_spec(config.model)  # bad specs fail here, in one line, before any process starts
     if parse_strategy(config.strategy) in ("zero2", "zero3"):
         with as_rank_zero():
-            refuse_outputs_fsdp_cannot_see(config.model)
+            _refuse_what_fsdp_cannot_run(config.model)
     with tempfile.TemporaryDirectory(prefix="trainledger-shard-") as tmp:
         reports = _launch(config, Path(tmp))
     ranks = tuple(_report_from_dict(d) for d in reports)
@@ -295,21 +296,44 @@ def as_rank_zero() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _refuse_what_fsdp_cannot_run(spec: str) -> None:
+    """Before any rank starts, refuse in terms of the model what FSDP2 would fail on in the middle of the step.
+
+    The workload is built here, outside any process group: a factory or a forward that fails here (one that asks
+    for its rank) is left to the ranks, which say what is wrong."""
+    from trainledger.sources import load_workload
+
+    try:
+        workload = load_workload(spec)
+    except Exception:
+        return
+    refuse_parameters_fsdp_cannot_shard(workload.model, units_of(workload.model))
+    refuse_outputs_fsdp_cannot_see(workload)
+
+
+def refuse_parameters_fsdp_cannot_shard(model: nn.Module, units: tuple[str, ...]) -> None:
+    """What FSDP2 refuses, or fails on in the middle of the step, among the model's parameters
+    (:func:`~trainledger.shard._units.fsdp_cannot_shard`), refused in one line."""
+    names: dict[int, list[str]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        shapes[id(p)] = tuple(p.shape)
+    problems = fsdp_cannot_shard([(names[k], shapes[k]) for k in names], units)
+    if problems:
+        raise InputError(f"FSDP (stages 2 and 3) {problems[0]}, or run stage 0 or 1 (DDP)")
+
+
 def refuse_outputs_fsdp_cannot_see(workload: Any) -> None:
     """FSDP runs its root's pre-backward from hooks on the tensors it finds in the model's output (tensors in
     tuples, lists, dicts, dataclasses, ``ModelOutput``): an output that hides them (an object of another class
     with a ``.loss``) leaves the root's parameters sharded in backward, where PyTorch fails on an empty storage.
-
-    ``workload``: a Workload, or the spec of one, built here, outside any process group; a factory or a forward
-    that fails here (one that asks for its rank) is left to the ranks, which say what is wrong."""
+    A forward that fails here is left to the ranks."""
     from torch.utils._pytree import tree_leaves
 
-    from trainledger.sources import load_workload
     from trainledger.workload import call_model
 
     try:
-        if isinstance(workload, str):
-            workload = load_workload(workload)
         with torch.no_grad():
             out = call_model(workload.model, workload.batch)
     except Exception:
@@ -694,6 +718,14 @@ def _engine_errors_explained(strategy: str) -> Iterator[None]:
                 f"FSDP ({strategy}) gathers a module's parameters only while the sharded model runs its forward, "
                 f"and this workload used a sharded parameter outside it ({op} saw the shard): call the modules "
                 "from the model's forward (not from loss_fn or the loop), or run stage 0 or 1 (DDP)"
+            ) from None
+        if "Sharding propagation failed for" in text or "require placement changes are not supported" in text:
+            op = text.split(":", 1)[0] if text.startswith("aten.") else text.split("failed for ", 1)[-1].split("(")[0]
+            raise InputError(
+                f"FSDP ({strategy}) holds the parameters, their gradients and the optimizer's state as shards "
+                f"(DTensor), and this step runs {op} on them, which DTensor cannot run on shards (an optimizer "
+                "such as Rprop indexes its state): use an optimizer whose step works element by element (SGD, "
+                "Adam, AdamW, ...), or run stage 0 or 1 (DDP)"
             ) from None
         raise
 
