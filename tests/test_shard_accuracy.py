@@ -37,6 +37,7 @@ CASES = [
     ("frozen_stem", 2),  # ... and kept gathered until backward's final callback
     ("detached_middle", 3),  # a unit under no_grad; the trainable unit before it gets no gradient to reduce
     ("master_weights", 1),  # a rank's optimizer makes fp32 masters and their gradients for its own parameters
+    ("bare_sequential", 3),  # the model is an nn.Sequential: its children are the units (it had none)
 ]
 
 

@@ -84,6 +84,9 @@ def test_infer_units_and_parse_strategy():
     names = ["wte.weight", "blocks.0.attn.w", "blocks.0.mlp.w", "blocks.1.attn.w", "blocks.10.x", "ln.w"]
     assert infer_units(names) == ("blocks.0", "blocks.1", "blocks.10")
     assert infer_units(["a.weight", "b.weight"]) == ()
+    # a model that is itself an nn.Sequential: its children, as when another module holds it
+    assert infer_units(["0.weight", "1.0.weight", "1.2.weight", "2.0.weight", "4.bias"]) == ("0", "1", "2", "4")
+    assert infer_units(["inner.0.weight", "inner.1.0.weight"]) == ("inner.0", "inner.1")
     assert parse_strategy(0) == "zero0" and parse_strategy("SHARD_GRAD_OP") == "shard_grad_op"
     with pytest.raises(InputError, match="unknown stage '4'"):
         parse_strategy("4")

@@ -11,19 +11,22 @@ def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
     """The repeated blocks of a model, from its parameter names: ``blocks.0``, ``blocks.1``… — the
     first dotted prefix followed by at least two distinct integers, each naming a module (``plist.0`` of an
     ``nn.ParameterList`` is a parameter, not a unit). These become the FSDP units (one per transformer
-    block, the root taking the rest), as ``trainledger shard --run`` wraps them.
+    block, the root taking the rest), as ``trainledger shard --run`` wraps them. A model that is itself an
+    ``nn.Sequential`` (or list) of modules has its children as units, as when it is held inside another.
 
     Example:
         >>> infer_units(["wte.weight", "h.0.attn.w", "h.0.mlp.w", "h.1.attn.w", "ln_f.weight"])
         ('h.0', 'h.1')
         >>> infer_units(["plist.0", "plist.1", "head.weight"])
         ()
+        >>> infer_units(["0.weight", "0.bias", "2.weight"])
+        ('0', '2')
     """
     found: dict[str, list[int]] = {}
     order: list[str] = []
     for name in param_names:
         parts = name.split(".")
-        for i in range(1, len(parts) - 1):  # the last part is the parameter's own name
+        for i in range(len(parts) - 1):  # the last part is the parameter's own name
             if parts[i].isdigit():
                 prefix = ".".join(parts[:i])
                 if prefix not in found:
@@ -34,7 +37,7 @@ def infer_units(param_names: Iterable[str]) -> tuple[str, ...]:
                 break
     for prefix in order:  # the first (outermost) repeated container wins
         if len(found[prefix]) >= 2:
-            return tuple(f"{prefix}.{i}" for i in found[prefix])
+            return tuple(f"{prefix}.{i}" if prefix else str(i) for i in found[prefix])
     return ()
 
 
