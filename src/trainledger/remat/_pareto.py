@@ -463,7 +463,14 @@ def _allocated_row(
 
 
 def _solve_auto(planner: Planner, budget: int, time_limit_s: float) -> Solution:
-    return solve(planner.model, budget, solver="auto", time_limit_s=time_limit_s)
+    """As :meth:`Planner.solve` with the auto solver: at a budget the floor plan's replay meets, where the linear
+    model puts every plan above it (the sweep's last budget is the floor itself), the floor plan."""
+    try:
+        return solve(planner.model, budget, solver="auto", time_limit_s=time_limit_s)
+    except NoPlan:
+        if budget >= planner.floor_bytes:
+            return planner.floor_solution()
+        raise
 
 
 def _verified(

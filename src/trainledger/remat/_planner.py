@@ -98,6 +98,10 @@ class Planner:
     cuda_device: str | None = None
     """With ``cuda``: the card's name in the device table."""
 
+    def floor_solution(self) -> Solution:
+        """The floor plan's choice, at its replayed peak (the floor every reported plan is measured against)."""
+        return Solution(self.floor_choice, self.floor_bytes, self.model.total_cost(self.floor_choice), "milp", True)
+
     def restore(self) -> None:
         """Put the model and optimizer back in the state the plain step was traced from, so a re-trace
         sees the same weights (and, in data-dependent models such as an MoE, the same routing)."""
@@ -208,10 +212,7 @@ class Planner:
                 block_candidates=self.block_candidates(),
             )
         except NoPlan as exc:
-            best = self.to_plan(
-                Solution(self.floor_choice, self.floor_bytes, self.model.total_cost(self.floor_choice), "milp", True),
-                budget_bytes=budget_bytes,
-            )
+            best = self.to_plan(self.floor_solution(), budget_bytes=budget_bytes)
             if budget_bytes >= self.floor_bytes and solver in ("auto", "milp"):
                 return best  # the linear model put the floor plan above the budget; its replay is within it
             if budget_bytes >= self.floor_bytes:  # a heuristic solver missed a plan the floor proves exists
