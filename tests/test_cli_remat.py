@@ -311,3 +311,46 @@ def test_a_plan_that_fails_its_verification_is_not_written(cli, tmp_path):
     assert code == 1 and ": NO (0 of " in out.split("gradients bitwise equal")[1][:80]
     assert not saved.exists() and not policy.exists()
     assert f"the plan failed its verification: {saved}, {policy} not written" in err
+
+
+NOISY = """
+import torch
+from torch import nn
+from trainledger import Workload
+
+
+class NoisyBlock(nn.Module):
+    def __init__(self, d, gen):
+        super().__init__()
+        self.fc1, self.fc2, self.gen = nn.Linear(d, 3 * d), nn.Linear(3 * d, d), gen
+
+    def forward(self, x):
+        noise = torch.randn(x.shape, generator=self.gen)  # a generator of its own: checkpoint does not keep it
+        return x + self.fc2(torch.tanh(self.fc1(x + 0.1 * noise)))
+
+
+class NoisyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(5)
+        self.blocks = nn.Sequential(*(NoisyBlock(12, self.gen) for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(x).square().mean()
+
+
+def noisy():
+    torch.manual_seed(0)
+    return Workload(NoisyNet(), torch.randn(6, 12))
+"""
+
+
+@pytest.mark.slow
+def test_pareto_verify_fails_as_plan_verify_does(cli, tmp_path):
+    """A plan that fails its verification (here: a model drawing from a generator of its own, which the recomputation
+    draws from again) is an exit status 1 for ``pareto --verify`` too, naming the budgets; it was 0."""
+    f = tmp_path / "noisy.py"
+    f.write_text(NOISY)
+    code, out, err = cli("pareto", "--model", f"{f}:noisy", "--budgets", "2", "--verify")
+    assert code == 1, err
+    assert "plans failed their verification" in err and "grads equal" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -96,11 +97,18 @@ def run(args: argparse.Namespace) -> int:
         out = result.to_dict()
         out["written"] = [str(written)] if written else []
         print_json(out)
-        return 0
-    render(result, make_console(), device=args.device)
-    if written:
-        make_console().print(f"wrote {written}")
-    return 0
+    else:
+        render(result, make_console(), device=args.device)
+        if written:
+            make_console().print(f"wrote {written}")
+    failed = result.failed_verification()
+    if failed:  # as plan --verify: a plan that failed its checks is an error, whatever else was printed
+        sys.stderr.write(
+            f"trainledger pareto: {len(failed)} of {len(result.rows)} plans failed their verification (over the "
+            "budget, gradients or state not bitwise equal, or a region not run): budgets "
+            f"{', '.join(map(str, failed))}\n"
+        )
+    return 1 if failed else 0
 
 
 def _cost(p: Point | None, seconds: bool) -> str:
@@ -212,7 +220,9 @@ def sweep_table(result: ParetoResult) -> Table:
             row += ["-" if per_rank else _cost(r.milp, seconds), "-" if per_rank else _cost(r.greedy, seconds)]
         row.append(", ".join(o.regions) if o and o.regions else "nothing")
         if verified:
-            row += [f"{o.traced_peak_bytes:,}" if o else "-", "yes" if o and o.gradients_bitwise_equal else "NO"]
+            over = o is not None and o.traced_peak_bytes is not None and o.traced_peak_bytes > r.budget_bytes
+            traced = f"{o.traced_peak_bytes:,}" + (" (over)" if over else "") if o else "-"
+            row += [traced, "yes" if o and o.gradients_bitwise_equal else "NO"]
         if verified and reserved:
             traced = o.traced_reserved_peak_bytes if o else None
             row.append(f"{traced:,}" if traced is not None else "-")

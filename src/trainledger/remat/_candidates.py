@@ -650,12 +650,14 @@ def _replay_cached(cs: Candidates, rc: _Recompute, lay: _Layout, i: int, e: Entr
 
 def _replay_saved(cs: Candidates, rc: _Recompute, lay: _Layout, i: int, e: Entry) -> tuple[Entry, Entry]:
     """A saved activation of the region: a forward temporary now, and saved again by the recomputation."""
-    a, f1 = e.alloc_event, rc.c.fwd[1]
+    a = e.alloc_event
     assert a is not None
     if _mixed(cs.info, i, cs.tree.subtree[rc.c.call]):  # also saved outside: held until the recomputation
         fwd_free = rc.start  # (an upper bound)
     else:
-        fwd_free = _end(lay, max(a + 1, min(_unsaved_free(cs, rc, i), f1 + 1)))
+        # freed when Python drops it, as the forward recorded with saving off shows: at the region's end, or later
+        # where something else holds it (autocast's cache keeps a weight's low-precision copy until autocast exits)
+        fwd_free = _end(lay, max(a + 1, _unsaved_free(cs, rc, i)))
     forward = _moved(e, lay, free=fwd_free, category=Category.WORKSPACE, role="forward_temporary")
     again = _moved(
         e,

@@ -50,6 +50,9 @@ class Point:
     traced_peak_bytes: int | None = None
     """With ``verify``: the peak of the step traced again with the plan applied."""
     gradients_bitwise_equal: bool | None = None
+    verified: bool | None = None
+    """With ``verify``: the re-traced step was within the budget, its gradients and state bitwise equal to the plain
+    step's, and every region ran (as ``plan --verify`` requires); ``None``: not verified."""
     extra_other_flops: int = 0
     """The cost charged to the recomputed ops ``FlopCounterMode`` counts 0 (one FLOP per output element)."""
     reserved_peak_bytes: int | None = None
@@ -72,6 +75,7 @@ class Point:
             "gap": self.gap,
             "traced_peak_bytes": self.traced_peak_bytes,
             "gradients_bitwise_equal": self.gradients_bitwise_equal,
+            "verified": self.verified,
             "extra_other_flops": self.extra_other_flops,
             "reserved_peak_bytes": self.reserved_peak_bytes,
             "traced_reserved_peak_bytes": self.traced_reserved_peak_bytes,
@@ -164,6 +168,10 @@ class ParetoResult:
     floor_reserved_bytes: int | None = None
     """With the allocator model on: the predicted reserved peak of the lowest-peak plan (``None``: off)."""
 
+    def failed_verification(self) -> list[int]:
+        """Budgets whose plan, applied and traced again, failed a check of ``plan --verify`` (empty unverified)."""
+        return [r.budget_bytes for r in self.rows if r.ours is not None and r.ours.verified is False]
+
     def to_dict(self) -> dict[str, Any]:
         out = self.plain.to_dict()
         out.update(
@@ -225,12 +233,13 @@ _EXTRA_KEYS = ("torch_sac_ilp", "per_rank")
 
 
 def _point(planner: Planner, method: str, sol: Solution, *, peak_bytes: int | None = None) -> Point:
-    """The point of a solution; its peak the linear model's unless ``peak_bytes`` (the fullest rank's) is given."""
+    """The point of a solution; its peak the solution's (the linear model's, or the floor plan's replay where the
+    sweep fell back to it) unless ``peak_bytes`` (the fullest rank's) is given."""
     cs = planner.candidates
     chosen = [cs.candidates[j] for j in sol.choice]
     return Point(
         method,
-        planner.model.peak(sol.choice) if peak_bytes is None else peak_bytes,
+        sol.peak_bytes if peak_bytes is None else peak_bytes,
         sum(c.seconds for c in chosen),
         sum(c.flops for c in chosen),
         tuple(c.name for c in sorted(chosen, key=lambda c: c.fwd[0])),
@@ -489,6 +498,7 @@ def _verified(
         point,
         traced_peak_bytes=v.traced_peak_bytes,
         gradients_bitwise_equal=v.gradients_bitwise_equal,
+        verified=v.passed,
         traced_reserved_peak_bytes=v.reserved.max_reserved_bytes if v.reserved is not None else None,
     )
 

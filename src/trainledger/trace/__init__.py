@@ -112,8 +112,8 @@ def _kernel_note(num_entries: int, counts: KernelCounts) -> str:
     else:
         inside = (
             " (none of this step's kernels is one known to allocate inside an op: convolution, BatchNorm, "
-            "LayerNorm's backward, the LSTM, linear algebra, a matrix product with an operand BLAS cannot read in "
-            "place)"
+            "LayerNorm's and GroupNorm's backward, the LSTM, linear algebra, losses such as BCE with logits, "
+            "upsampling, sorting, a matrix product with an operand BLAS cannot read in place)"
         )
     if counts.num_estimated:
         inside += (
@@ -166,7 +166,8 @@ def trace(
         fake: run under ``FakeTensorMode``: same ops and shapes, nothing allocated. The model's
             parameters are swapped for fake ones during the trace and restored afterwards.
         kernel_workspace: also measure the buffers that CPU kernels (convolutions, BatchNorm's and
-            LayerNorm's backward, the LSTM, a matrix product copying an operand BLAS cannot read in place)
+            LayerNorm's backward, the LSTM, losses and resampling that run a composite inside one kernel,
+            :data:`PROBED_OPS`; a matrix product copying an operand BLAS cannot read in place)
             allocate and free inside one op, by running each distinct call once more alone, and add them as
             workspace entries at that op's event (evidence ``measured``). Without it the ledger holds tensor
             storages only.
