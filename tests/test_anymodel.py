@@ -562,3 +562,32 @@ def test_a_diffusers_config_with_a_size_torch_refuses_is_one_line(cli, tmp_path)
         code, _, err = cli("trace", "--diffusers-config", str(path), "--micro-batch", "1", *fake)
         assert code == 2 and "diffusers cannot build UNet2DConditionModel" in err and "negative dimension" in err
         assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("sample_size", "said"),
+    [(-4, "must be at least 1"), ("64", "is a str"), (1e9, "is a float"), (0, "must be at least 1")],
+)
+def test_a_diffusers_config_with_a_bad_sample_size_is_one_line(cli, tmp_path, sample_size, said):
+    """The latent side came from the config unchecked: a traceback from the batch's tensors (exit 1), or 0 taken."""
+    pytest.importorskip("diffusers")
+    cfg = json.loads((FIXTURES / "sd15-unet-tiny-diffusers.json").read_text())
+    cfg["sample_size"] = sample_size
+    path = tmp_path / "unet.json"
+    path.write_text(json.dumps(cfg))
+    code, _, err = cli("trace", "--diffusers-config", str(path), "--fake")
+    assert code == 2 and f"sample_size in {path}" in err and said in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_diffusers_config_that_leaves_its_channels_to_the_models_defaults_is_traced(cli, tmp_path):
+    """A UNet2DModel config without ``in_channels`` has the class's 3: the batch drew 4 (a latent's) and the step
+    failed on the first convolution."""
+    pytest.importorskip("diffusers")
+    unconditioned = {"down_block_types": ["DownBlock2D"] * 2, "up_block_types": ["UpBlock2D"] * 2}
+    cfg = {**{k: v for k, v in _UNET.items() if "attention" not in k}, **unconditioned, "_class_name": "UNet2DModel"}
+    path = tmp_path / "unet.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = cli("trace", "--diffusers-config", str(path), "--fake", "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak"]["bytes"] > 0

@@ -232,3 +232,19 @@ def test_a_config_dict_given_is_not_changed_by_building_its_model():
     assert built.rope_scaling["factor"] == 2.0
     assert given == before
     assert cfg.raw["rope_scaling"] == before["rope_scaling"]
+
+
+def test_a_real_build_is_refused_when_its_step_exceeds_the_memory_this_process_may_use(monkeypatch):
+    """The check compared the weights alone with the machine's memory: a step whose weights fit but whose master
+    copies, gradients and optimizer state do not was built, and the kernel stopped the process for it."""
+    import trainledger.hf as hf
+
+    cfg = hf.load_hf_config(FIXTURES / "llama-small.json")
+    setup = Setup(micro_batch=1, seq_len=16)
+    weights = num_params(cfg.spec) * 2  # bf16
+    peak = analytic_ledger(cfg.spec, setup).peak().bytes
+    assert weights < peak
+    monkeypatch.setattr(hf, "_usable_memory", lambda: (weights + peak) // 2)
+    with pytest.raises(InputError, match=r"llama model's step needs [\d,]+ bytes \(its analytic peak"):
+        hf.workload_from_setup(cfg, setup)
+    hf.workload_from_setup(cfg, setup, fake=True)  # a fake build allocates nothing

@@ -307,3 +307,45 @@ def test_recomputing_an_lstm_costs_its_matmuls():
     costs = {(c.region.path, c.region.policy): c.flops for c in Planner.build(w, cost="flops").candidates.candidates}
     lstm = 2 * steps * batch * (4 * hidden * width + 4 * hidden * hidden)
     assert costs[("3", "full")] == lstm
+
+
+class _TanhBlock(nn.Module):
+    """Saves no copy of its input (tanh saves its output): the plain step lets the caller update the input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 3 * d), nn.Linear(3 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(torch.tanh(x))))
+
+
+class _InPlaceResidual(nn.Module):
+    def __init__(self, *, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.inp = nn.Linear(10, 20)
+        self.blocks = nn.ModuleList(_TanhBlock(20) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) * 1.0
+        for block in self.blocks:
+            if self.in_place:
+                h += block(h)  # the block's input, written after the block: a checkpoint keeps it as it was
+            else:
+                h = h + block(h)
+        return h.square().mean()
+
+
+def test_a_call_whose_input_a_later_op_writes_in_place_is_not_a_candidate():
+    """PyTorch's checkpoint keeps a call's tensor arguments and checks at the recomputation that none changed: a
+    plan over ``h += block(h)`` failed in backward ("modified by an inplace operation"). Such calls are left out
+    and the refusal says why; the same model written out of place is planned."""
+    torch.manual_seed(0)
+    p = Planner.build(Workload(_InPlaceResidual(in_place=True), torch.randn(6, 10)))
+    assert not p.candidates.candidates
+    with pytest.raises(InputError, match=r"a later op writes in place to a tensor the call was given.*blocks.0"):
+        p.solve(p.plain_peak_bytes - 1)
+    torch.manual_seed(0)
+    out_of_place = Planner.build(Workload(_InPlaceResidual(in_place=False), torch.randn(6, 10)))
+    assert {c.region.path for c in out_of_place.candidates.candidates} >= {"blocks.0", "blocks.1", "blocks.2"}

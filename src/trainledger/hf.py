@@ -39,6 +39,7 @@ from torch import nn
 from trainledger.analytic import (
     ArchSpec,
     Setup,
+    analytic_ledger,
     arch_from_config,
     check_lora,
     check_positions,
@@ -336,19 +337,40 @@ class _LossOnly(nn.Module):
         return batch
 
 
-def _check_fits_in_memory(cfg: HFConfig, dtype: torch.dtype, *, copies: int) -> None:
-    """A real (not fake) build allocates every weight: refuse one whose weights alone exceed this machine's
-    memory, before the operating system stops the process for it."""
-    weights = num_params(cfg.spec) * dtype.itemsize * copies
+def _check_fits_in_memory(cfg: HFConfig, setup: Setup) -> None:
+    """A real (not fake) build allocates every weight, and its step the gradients, the optimizer's state, master
+    copies and activations: refuse one whose analytic peak exceeds the memory this process may use (the machine's,
+    or a container's limit), before the operating system stops the process for it."""
+    memory = _usable_memory()
+    if memory is None:  # not a POSIX system: nothing to check against
+        return
+    try:
+        needed = analytic_ledger(cfg.spec, setup).peak().bytes
+        what = "its analytic peak: weights, gradients, optimizer state and activations"
+    except InputError:  # a setup the closed form does not take (the trace may): the weights alone
+        copies = 2 if setup.reference else 1
+        needed, what = num_params(cfg.spec) * _dtype(setup).itemsize * copies, "its weights alone"
+    if needed > memory:
+        raise InputError(
+            f"this {cfg.spec.family} model's step needs {needed:,} bytes ({what}), more than the {memory:,} this "
+            "process may use; trace it on fake tensors (fake=True, or --fake) or use the analytic estimate"
+        )
+
+
+def _usable_memory() -> int | None:
+    """The machine's memory, or the container's limit where it is lower (cgroup v2, then v1)."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not a POSIX system: nothing to check against
-        return
-    if weights > memory:
-        raise InputError(
-            f"the weights of this {cfg.spec.family} model alone need {weights:,} bytes, more than this machine's "
-            f"{memory:,}; trace it on fake tensors (fake=True, or --fake) or use the analytic estimate"
-        )
+    except (AttributeError, ValueError, OSError):
+        return None
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
 
 
 def workload_from_setup(
@@ -434,7 +456,7 @@ def _check_traceable(cfg: HFConfig, setup: Setup, fake: bool) -> None:
             "estimate (trainledger estimate); give tensor_parallel=1 and pipeline_parallel=1"
         )
     if not fake:
-        _check_fits_in_memory(cfg, _dtype(setup), copies=2 if setup.reference else 1)
+        _check_fits_in_memory(cfg, setup)
 
 
 def _dtype(setup: Setup) -> torch.dtype:
@@ -445,7 +467,17 @@ def _dtype(setup: Setup) -> torch.dtype:
 def _build(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:
     """The model, built for real on the CPU or, under ``mode``, on fake tensors."""
     device: Device = "cpu" if mode is None else "fake"
-    return build_model(cfg, dtype=_dtype(setup), attn_impl=setup.attn_impl, device=device, fake_mode=mode, seed=seed)
+    try:
+        return build_model(
+            cfg, dtype=_dtype(setup), attn_impl=setup.attn_impl, device=device, fake_mode=mode, seed=seed
+        )
+    except RuntimeError as exc:  # the allocator refused the weights (a limit the memory check cannot see)
+        if "can't allocate memory" not in str(exc):
+            raise
+        raise InputError(
+            f"building this {cfg.spec.family} model ran out of memory ({' '.join(str(exc).split())[:160]}); trace "
+            "it on fake tensors (fake=True, or --fake) or use the analytic estimate"
+        ) from None
 
 
 def _policy_model(cfg: HFConfig, setup: Setup, mode: Any, seed: int) -> nn.Module:

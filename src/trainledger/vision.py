@@ -21,6 +21,7 @@ from torch import nn
 
 from trainledger.analytic import Setup, load_config_file
 from trainledger.anymodel import build_fake, one_line, reads_values
+from trainledger.checks import MAX_LATENT_SIDE, whole_number
 from trainledger.errors import InputError
 from trainledger.hf import optimizer_factory, quiet_transformers
 from trainledger.trace import EmptyWeights
@@ -173,8 +174,8 @@ def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: 
     gen = torch.Generator().manual_seed(seed)
     b = setup.micro_batch
     latent = "sample" if "sample" in params else "hidden_states"
-    channels = raw.get("in_channels", 4)
-    out_channels = raw.get("out_channels") or channels
+    channels = config.get("in_channels", 4)  # the model's own default where the file leaves it out
+    out_channels = config.get("out_channels") or channels
     # Flux reads its latents as a sequence of patches (2 x 2 latent pixels packed into in_channels), with position
     # ids for them and for the text tokens: side x side tokens (64 x 64: a 1024-pixel image)
     packed = "img_ids" in params
@@ -206,6 +207,15 @@ def _diffusion_batch(model: nn.Module, raw: dict[str, Any], setup: Setup, side: 
     return batch
 
 
+def _latent_side(value: Any, source: Any) -> int:
+    """The latent pixels per side: a config's ``sample_size`` (a whole number, or a list of a height and width,
+    whose first is taken) or ``latent_size``, checked in one line."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    what = f"sample_size in {source}" if source != "config" else "sample_size"
+    return whole_number(value, what, limit=MAX_LATENT_SIDE)
+
+
 def workload_from_diffusers_config(
     path: str | Path | dict[str, Any],
     setup: Setup,
@@ -227,8 +237,7 @@ def workload_from_diffusers_config(
     source = "config" if isinstance(path, dict) else path
     cls = _diffusers_class(raw)
     _check_fake(fake)
-    side = latent_size or raw.get("sample_size") or 64
-    side = side if isinstance(side, int) else side[0]
+    side = _latent_side(latent_size if latent_size is not None else raw.get("sample_size", 64), source)
 
     def build(mode: Any) -> nn.Module:
         with _building(mode, getattr(torch, setup.weight_dtype), seed):

@@ -263,6 +263,15 @@ def find_candidates(
             "not recomputed, because their forward writes in place to a tensor older than the call (an input, "
             "a parameter) that recomputation would write again: " + ", ".join(skipped)
         )
+    overwritten = _arguments_overwritten(tree, record)
+    skipped = sorted({tree.calls[i].path for i in overwritten - unsafe if i in positions})
+    if skipped:
+        notes.append(
+            "not recomputed, because a later op writes in place to a tensor the call was given (h += block(h)), "
+            "which the checkpoint keeps for the recomputation as it was (PyTorch would fail in backward): "
+            + ", ".join(skipped)
+        )
+    unsafe |= overwritten
     cands: list[Candidate] = []
     labels: list[str] = []
     blocks: list[int] = []
@@ -326,6 +335,22 @@ def _entry_info(plain: Ledger, record: ForwardRecord | None, num_fwd: int) -> di
             s = recs.pop(0)
             info[i] = _EntryInfo(s.savers, s.unsaved_free_event)
     return info
+
+
+def _arguments_overwritten(tree: CallTree, record: ForwardRecord | None) -> set[int]:
+    """Calls given a tensor that an op after the call writes in place, before backward: a checkpoint keeps its
+    arguments and checks at the recomputation that none was changed since."""
+    if record is None or not record.writes:
+        return set()
+    written_at: dict[int, int] = {}  # alloc event of a storage -> the last forward event writing it in place
+    for f, storages in enumerate(record.writes):
+        for a in storages:
+            written_at[a] = f
+    return {
+        i
+        for i, c in enumerate(tree.calls)
+        if i < len(record.call_args) and any(written_at.get(a, -1) >= c.stop for a in record.call_args[i])
+    }
 
 
 def _unsafe_writes(plain: Ledger, tree: CallTree) -> set[int]:

@@ -302,7 +302,9 @@ def pareto(
         raise InputError("pareto on fake tensors cannot verify each plan; verify one with plan --fake --verify")
     planner = Planner.build(workload, cost=cost, fake=fake, kernel_kind=kernel_kind, cuda_device=cuda_device)
     if not planner.candidates.candidates:  # the solvers' models would have no variable
-        raise InputError(f"its front is the plain peak alone: {no_region_why(planner.candidates.plain)}")
+        raise InputError(
+            f"its front is the plain peak alone: {no_region_why(planner.candidates.plain, planner.candidates.notes)}"
+        )
     sharding = sharding or Sharding()
     if allocator is None and budget_on == "reserved":
         allocator = AllocatorConfig()

@@ -47,9 +47,13 @@ NO_REGION = (
 """Why a model has no plan but its plain step: said by ``plan`` below its plain peak, and by ``pareto``."""
 
 
-def no_region_why(plain: Ledger) -> str:
+def no_region_why(plain: Ledger, notes: tuple[str, ...] = ()) -> str:
     """Why ``plain``'s model has no region to recompute, and what would give it one: a model that checkpoints
-    its own modules already saves only what its checkpoints keep."""
+    its own modules already saves only what its checkpoints keep; calls the candidates' ``notes`` say cannot be
+    recomputed (their own writes, or a later op's, in place)."""
+    refused = [n for n in notes if n.startswith("not recomputed")]
+    if refused:
+        return "no region can be recomputed here: " + "; ".join(refused)
     own = plain.meta.get("recomputed_modules")
     if not own:
         return f"{NO_REGION}; group layers into block modules"
@@ -222,7 +226,7 @@ class Planner:
             if not self.candidates.candidates:
                 raise InfeasibleBudget(
                     f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, and "
-                    f"{no_region_why(self.candidates.plain)}, or raise the budget",
+                    f"{no_region_why(self.candidates.plain, self.candidates.notes)}, or raise the budget",
                     budget_bytes=budget_bytes,
                     floor_bytes=self.floor_bytes,
                     best=best,

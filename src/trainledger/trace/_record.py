@@ -59,6 +59,8 @@ class ForwardRecord:
     """Per call of ``calls``, the alloc events of the forward-allocated storages among its tensor arguments
     (positional and keyword): what a checkpoint of the call keeps until its backward, used by its ops or not
     (a Hugging Face decoder layer's ``cache_position``)."""
+    writes: tuple[tuple[int, ...], ...] = ()
+    """Per op, the alloc events of the forward-allocated storages it writes in place (``x += y``, ``relu_``)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -75,6 +77,7 @@ class _Recorder(TorchDispatchMode):
         self.flops: list[int] = []
         self.seconds: list[float] = []
         self.inputs: list[tuple[int, ...]] = []
+        self.writes: list[tuple[int, ...]] = []
         self.alloc: dict[int, int] = {}  # storage key -> alloc event
         self.nbytes: dict[int, int] = {}
         self.freed: dict[int, int] = {}  # alloc event index of record -> free event
@@ -90,12 +93,8 @@ class _Recorder(TorchDispatchMode):
         if func.namespace == "prim":
             return func(*args, **kwargs)
         index = len(self.ops)
-        reads = []
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                rec = self.by_key.get(storage_key(t))
-                if rec is not None:
-                    reads.append(self.records[rec][0])
+        reads = self._forward_allocated((args, kwargs))
+        written = self._forward_allocated(_written(func, args, kwargs))
         self.settle()
         start = time.perf_counter()
         out = func(*args, **kwargs)
@@ -105,6 +104,7 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(str(func).removesuffix(".default"))
         self.modules.append(self.scopes.current)
         self.inputs.append(tuple(sorted(set(reads))))
+        self.writes.append(tuple(sorted(set(written))))
         fn = self.registry.get(func._overloadpacket)
         self.flops.append(int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0)
         for t in tree_leaves(out):
@@ -117,6 +117,16 @@ class _Recorder(TorchDispatchMode):
                     self.by_key[key] = i
                     self._refs.append(weakref.ref(st, self._freed(key, i)))
         return out
+
+    def _forward_allocated(self, values: Any) -> list[int]:
+        """The alloc events of the forward-allocated storages among the tensors in ``values``."""
+        found = []
+        for t in tree_leaves(values):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                rec = self.by_key.get(storage_key(t))
+                if rec is not None:
+                    found.append(self.records[rec][0])
+        return found
 
     def settle(self) -> None:
         """Attribute the packs made since the last op. Autograd saves an op's inputs just before the op
@@ -137,13 +147,7 @@ class _Recorder(TorchDispatchMode):
 
     def arguments(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
         """A forward pre-hook (with keyword arguments): note the call's forward-allocated tensor arguments."""
-        found = set()
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                rec = self.by_key.get(storage_key(t))
-                if rec is not None:
-                    found.add(self.records[rec][0])
-        self.call_args[self.scopes.current_call] = tuple(sorted(found))
+        self.call_args[self.scopes.current_call] = tuple(sorted(set(self._forward_allocated((args, kwargs)))))
 
     def pack(self, t: torch.Tensor) -> None:
         call = self.scopes.current_call
@@ -279,6 +283,18 @@ def _record_runs(
         torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an op writes in place, as its schema marks them (``Tensor(a!)``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.append(kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i])
+    return out
+
+
 def _combine(runs: list[_Recorder]) -> ForwardRecord:
     first = runs[-1]
     timed = runs[1:] if len(runs) > 1 else runs
@@ -294,4 +310,5 @@ def _combine(runs: list[_Recorder]) -> ForwardRecord:
         tuple(first.packs),
         tuple((c.path, c.index) for c in first.scopes.calls),
         tuple(first.call_args.get(k, ()) for k in range(len(first.scopes.calls))),
+        tuple(first.writes),
     )
