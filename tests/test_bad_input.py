@@ -19,6 +19,7 @@ import string
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -276,6 +277,7 @@ CASES = st.one_of(
     BAD_STAGE.map(lambda t: case(["estimate", "--hf-config", LLAMA, f"--stage={t}"], t)),
     BAD_SIZE.map(lambda t: case(["fit", "--hf-config", LLAMA, f"--device-memory={t}"], t)),
     st.just(case(["fit", "--hf-config", LLAMA], "--device-memory")),
+    st.just(case(["fit", "--hf-config", LLAMA, "--device-memory", "80"], "80GiB or 80GB")),  # not 80 bytes
     st.just(
         case(
             ["fit", "--hf-config", LLAMA, "--device-memory", "80GiB", "--dtype", "fp32", "--recipes", "bf16"], "--dtype"
@@ -474,7 +476,7 @@ CALLS = st.one_of(
     st.integers(min_value=MAX_SEQ_LEN.value + 1).map(
         lambda v: call(lambda: trainledger.workload_from_hf_config(GOOD_CONFIG, seq_len=v, fake=True), *_formats(v))
     ),
-    st.just(call(lambda: trainledger.workload_from_hf_config(HUGE_CONFIG), "the weights of this llama model alone")),
+    st.just(call(lambda: trainledger.workload_from_hf_config(HUGE_CONFIG), "this llama model's step needs")),
 )
 
 
@@ -633,3 +635,31 @@ def test_a_write_that_fails_after_the_checks_is_one_line(cli, tmp_path, monkeypa
     code, _out, err = cli("trace", "--model", "mlp", "--export-json", str(out))
     assert code == 2 and "No space left on device" in err and len(err.strip().splitlines()) == 1, err
     assert not list(tmp_path.iterdir())
+
+
+FOREIGN_OPTIMIZER = """
+import torch
+from trainledger import Workload
+
+
+def make():
+    other = torch.nn.Linear(8, 2)
+    return Workload(torch.nn.Linear(8, 2), torch.randn(4, 8), loss_fn=lambda out, _b: out.sum(),
+                    optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+"""
+
+
+def test_an_optimizer_of_another_models_parameters_is_warned_of_in_one_line(cli, tmp_path):
+    """It was traced silently (no optimizer phase for the model, both models' weights counted); ``record`` warned
+    of the same. A warning, not an error (prompt tuning trains only what is beside the model); the command prints
+    every warning on one line, as it prints an error."""
+    from trainledger.cli import _warnings_on_one_line
+
+    f = tmp_path / "foreign.py"
+    f.write_text(FOREIGN_OPTIMIZER)
+    with pytest.warns(UserWarning, match=r"the Workload's SGD trains none of Linear's parameters"):
+        code, _, _ = cli("trace", "--model", f"{f}:make")
+    assert code == 0
+    with _warnings_on_one_line("trace"):
+        shown = warnings.formatwarning(UserWarning("two\nlines"), UserWarning, "x.py", 3)
+    assert shown == "trainledger trace: warning: two lines\n"

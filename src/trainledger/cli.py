@@ -9,8 +9,10 @@ import importlib
 import re
 import signal
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from types import ModuleType
+from typing import Any
 
 from trainledger import __version__
 from trainledger.commands.common import stdout_for_json_only
@@ -83,6 +85,22 @@ def _dash_values_joined(parser: argparse.ArgumentParser, given: list[str]) -> li
     return joined
 
 
+@contextlib.contextmanager
+def _warnings_on_one_line(command: str) -> Iterator[None]:
+    """A warning is one line on stderr, as an error is (``trainledger trace: warning: ...``), not Python's two with
+    a source path and line."""
+    before = warnings.formatwarning
+
+    def one_line(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
+        return f"trainledger {command}: warning: {' '.join(str(message).split())}\n"
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(given[0] if given else None)
@@ -100,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with (
+            _warnings_on_one_line(args.command),
             terminating_signals_raise(),  # SIGTERM and SIGHUP unwind like Ctrl-C: every cleanup runs
             stdout_for_json_only() if getattr(args, "json", False) else contextlib.nullcontext(),
         ):

@@ -13,6 +13,7 @@ import inspect
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,9 +95,24 @@ class Workload:
                     )
             if not any(p.requires_grad for g in opt.param_groups for p in g["params"]):
                 raise InputError("the optimizer holds no trainable parameters; give it the model's parameters")
+            if trains_none_of(self.model, opt):
+                warnings.warn(
+                    f"the Workload's {type(opt).__name__} trains none of {type(self.model).__name__}'s parameters "
+                    "(another model's optimizer?): the step's weights are the model's and the optimizer's both, "
+                    "and the model is not stepped",
+                    stacklevel=3,
+                )
             _refuse_closure_step(opt)
             self._optimizer = opt
         return self._optimizer
+
+
+def trains_none_of(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` trains none of ``model``'s trainable parameters (when it has any): most likely another
+    model's optimizer. A warning, not an error: prompt tuning trains only what is beside a model whose weights may
+    still ask for gradients."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    return bool(trained) and not any(id(p) in trained for g in opt.param_groups for p in g["params"])
 
 
 def _refuse_closure_step(opt: torch.optim.Optimizer) -> None:

@@ -139,6 +139,20 @@ count_or_zero_arg = argparse_type(parse_count_or_zero)
 size_arg = argparse_type(parse_size)
 """A size (``12GB``, ``11.2GiB``, bytes)."""
 
+
+def parse_device_memory(text: str) -> int:
+    """A device's memory: a size, where a bare number too small to hold any step (``80``) is refused as a size that
+    lost its unit, not taken as bytes."""
+    nbytes = parse_size(text)
+    if _NUMBER.match(text) and nbytes < 1 << 20:
+        number = text.strip()
+        raise InputError(f"{number!r} would be {nbytes:,} bytes; give a size with its unit ({number}GiB or {number}GB)")
+    return nbytes
+
+
+device_memory_arg = argparse_type(parse_device_memory)
+"""A device's memory (``80GiB``); a bare number under 1 MiB is refused."""
+
 _NUMBER = re.compile(r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$")
 
 

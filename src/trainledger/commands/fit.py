@@ -13,7 +13,14 @@ from rich.text import Text
 from trainledger.allocator import AllocatorConfig
 from trainledger.analytic import RECIPES, Candidate, FitOptions, FitResult, Setup, fit, with_traced_peaks
 from trainledger.commands._gpu import device_line
-from trainledger.commands.common import add_json_flag, emit, positive_float, positive_int, size_arg
+from trainledger.commands.common import (
+    add_json_flag,
+    device_memory_arg,
+    emit,
+    positive_float,
+    positive_int,
+    size_arg,
+)
 from trainledger.commands.estimate import add_setup_flags, check_analytic_family, check_lora_flags, setup_from
 from trainledger.devices import Device
 from trainledger.errors import InputError
@@ -33,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_setup_flags(
         p, micro_batch=False, dtype_help="search this one recipe: bf16-master, bf16 or fp32 (default: --recipes)"
     )
-    p.add_argument("--device-memory", type=size_arg, default=None, help="e.g. 80GiB, 24GB (or --device NAME)")
+    p.add_argument("--device-memory", type=device_memory_arg, default=None, help="e.g. 80GiB, 24GB (or --device NAME)")
     p.add_argument(
         "--budget-on",
         default=None,

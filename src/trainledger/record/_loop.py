@@ -90,7 +90,7 @@ from trainledger.trace import (
     with_kernel_workspace,
 )
 from trainledger.units import counted
-from trainledger.workload import iter_tensors
+from trainledger.workload import iter_tensors, trains_none_of
 
 _current_node = torch._C._current_autograd_node
 
@@ -171,11 +171,8 @@ def _warn_of_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.
     where the loop steps ``m``'s own): its steps would never end the model's, and every iteration would be one
     step. Said, not refused: prompt tuning trains only what is beside a model whose weights may still ask for
     gradients."""
-    trained = {id(p) for p in model.parameters() if p.requires_grad}
-    if not trained:
-        return
     for opt in optimizers:
-        if not any(id(p) in trained for g in opt.param_groups for p in g["params"]):
+        if trains_none_of(model, opt):
             warnings.warn(
                 f"the {type(opt).__name__} given to record() trains none of {type(model).__name__}'s parameters; "
                 "if the loop steps another optimizer for this model, give that one (a step ends when each optimizer "
