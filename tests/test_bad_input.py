@@ -226,6 +226,7 @@ CASES = st.one_of(
         lambda n: case(["pareto", "--model", "mlp", "--budgets", str(n)], *_formats(n))
     ),
     BAD_WHOLE.map(lambda t: case(["pareto", "--model", "mlp", f"--budgets={t}"], t)),
+    st.just(case(["pareto", "--model", "mlp", "--budgets", "1"], "at least 2")),  # said at once, not after 0
     WORD.filter(lambda t: t not in ("seconds", "flops")).map(
         lambda t: case(["pareto", "--model", "mlp", f"--cost={t}"], t)
     ),
@@ -278,6 +279,8 @@ CASES = st.one_of(
     BAD_SIZE.map(lambda t: case(["fit", "--hf-config", LLAMA, f"--device-memory={t}"], t)),
     st.just(case(["fit", "--hf-config", LLAMA], "--device-memory")),
     st.just(case(["fit", "--hf-config", LLAMA, "--device-memory", "80"], "80GiB or 80GB")),  # not 80 bytes
+    # a policy file named after a module would hide it from the training script beside it
+    st.just(case(["plan", "--model", "gpt-tiny", "--budget", "60%", "--export-policy", "torch.py"], "hide that")),
     st.just(
         case(
             ["fit", "--hf-config", LLAMA, "--device-memory", "80GiB", "--dtype", "fp32", "--recipes", "bf16"], "--dtype"

@@ -162,3 +162,22 @@ def test_recovery_checkpoint_excludes_gradients_and_activations():
     r = workload_state(examples.seed_423())
     assert r.recovery.bytes == 3384 + 6768 + 16  # weights, moments, step counters (4 x fp32)
     assert r.recovery.frozen_bytes == 3384
+
+
+def test_a_master_weight_optimizer_s_copy_of_an_fp32_weight_is_its_master():
+    """A model of bf16 layers and one fp32 weight (a router transformers keeps in fp32): the optimizer copies every
+    weight to fp32, that one too. Its copy was counted as a parameter trained beside the model (DeepSeek-V2-Lite's
+    count 3,407,872 too many); and the optimizer, training copies only, is not another model's."""
+    from trainledger.examples import AdamWWithMasterWeights
+    from trainledger.inventory import match_masters, trains_none_of
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4, bias=False)).to(torch.bfloat16)
+    model[1].weight = nn.Parameter(model[1].weight.detach().float())  # the fp32 one
+    opt = AdamWWithMasterWeights(model.parameters())
+    masters = match_masters(model, opt)
+    assert sorted(masters.values()) == ["0.bias", "0.weight", "1.weight"]
+    led = inventory(model, opt)
+    assert not [e for e in led.entries if e.name.startswith("optimizer.group")]
+    assert sum(e.numel for e in led.entries if e.role == "master") == sum(p.numel() for p in model.parameters())
+    assert not trains_none_of(model, opt)
+    assert trains_none_of(model, torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1))

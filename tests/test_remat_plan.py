@@ -92,6 +92,10 @@ def test_applying_twice_and_bad_files_are_clear_errors(tmp_path):
         Plan.load(bad)
     with pytest.raises(InputError, match="does not exist"):
         Plan.load(tmp_path / "absent.json")
+    saved = plan.to_dict()
+    bad.write_text(json.dumps({**saved, "regions": "blocks.0"}))  # one path, not a list: was "a str 'b'"
+    with pytest.raises(InputError, match=r"its regions are a str 'blocks\.0', not a list of regions"):
+        Plan.load(bad)
     with pytest.raises(InputError, match="policy 'sometimes'"):
         Plan(regions=(Region("blocks.1", "sometimes"),), fingerprint=plan.fingerprint).check(w.model)  # type: ignore[arg-type]
 

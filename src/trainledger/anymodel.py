@@ -285,9 +285,10 @@ def build_any_model(
                 raise InputError(f"transformers cannot build {cfg.class_name}: {one_line(exc)}") from exc
             except (AssertionError, TypeError, KeyError, IndexError, AttributeError) as exc:
                 # a config transformers accepts but its modules do not (a pad token outside the vocabulary)
-                raise InputError(
-                    f"transformers cannot build {cfg.class_name} from this config: {one_line(exc)}"
-                ) from exc
+                said = one_line(exc)
+                if isinstance(exc, KeyError):  # a bare key ('evil'): a name the config gives that it has no entry for
+                    said = f"{said} is a name transformers has no entry for (an activation, a rope type, ...)"
+                raise InputError(f"transformers cannot build {cfg.class_name} from this config: {said}") from exc
         model.train()
         return model
     raise AssertionError("unreachable: eager attention is always tried last")

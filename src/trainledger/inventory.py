@@ -268,21 +268,40 @@ def trained_outside(
 
 def match_masters(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """Optimizer parameters that are not model parameters, matched in order to a lower-precision
-    model weight of the same shape: those are master copies. Returns ``id(master) -> weight name``."""
+    model weight of the same shape: those are master copies. Returns ``id(master) -> weight name``.
+
+    An optimizer that keeps such masters copies every weight, so where it holds any, a copy of a weight already
+    in the master's precision (an fp32 router kept beside bf16 layers) is matched too: it is that weight's master,
+    not a parameter trained beside the model."""
     model_keys = {storage_key(p) for p in model.parameters()}
     pool = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    others = [p for group in optimizer.param_groups for p in group["params"] if storage_key(p) not in model_keys]
     used: set[str] = set()
     out: dict[int, str] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if storage_key(p) in model_keys:
+    for same_precision in (False, True):
+        if same_precision and not out:
+            break
+        for p in others:
+            if id(p) in out:
                 continue
             for n, w in pool:
-                if n not in used and w.shape == p.shape and w.element_size() < p.element_size():
+                wider = w.element_size() <= p.element_size() if same_precision else w.element_size() < p.element_size()
+                if n not in used and w.shape == p.shape and wider:
                     out[id(p)] = n
                     used.add(n)
                     break
     return out
+
+
+def trains_none_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` trains none of ``model``'s trainable parameters, nor master copies of them (when the
+    model has any): most likely another model's optimizer. Worth a warning, not an error: prompt tuning trains
+    only what is beside a model whose weights may still ask for gradients."""
+    trained = {storage_key(p) for p in model.parameters() if p.requires_grad}
+    if not trained:
+        return False
+    ours = any(storage_key(p) in trained for g in optimizer.param_groups for p in g["params"])
+    return not ours and not match_masters(model, optimizer)
 
 
 def _declare_missing_state(

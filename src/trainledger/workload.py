@@ -23,6 +23,7 @@ from torch import nn
 
 from trainledger.checks import describe
 from trainledger.errors import InputError
+from trainledger.inventory import trains_none_of
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
@@ -105,14 +106,6 @@ class Workload:
             _refuse_closure_step(opt)
             self._optimizer = opt
         return self._optimizer
-
-
-def trains_none_of(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt`` trains none of ``model``'s trainable parameters (when it has any): most likely another
-    model's optimizer. A warning, not an error: prompt tuning trains only what is beside a model whose weights may
-    still ask for gradients."""
-    trained = {id(p) for p in model.parameters() if p.requires_grad}
-    return bool(trained) and not any(id(p) in trained for g in opt.param_groups for p in g["params"])
 
 
 def _refuse_closure_step(opt: torch.optim.Optimizer) -> None:

@@ -86,7 +86,7 @@ def compute(args: argparse.Namespace) -> FitResult:
     if args.dtype is not None and args.recipes is not None:
         raise InputError(f"give --dtype {args.dtype} (one recipe) or --recipes {args.recipes} (several), not both")
     text = args.recipes if args.recipes is not None else (args.dtype or DEFAULT_RECIPES)
-    recipes = tuple(r.strip() for r in text.split(",") if r.strip())
+    recipes = tuple(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))  # each once, in the order given
     if not recipes:
         raise InputError(f"--recipes {text!r} names no recipe; accepted: {', '.join(RECIPES)}")
     base: Setup = setup_from(args, micro_batch=1, recipe=recipes[0])

@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--budget-on reserved, budgets on the caching allocator's predicted reserved bytes instead.",
     )
     add_step_source_flags(p)
-    p.add_argument("--budgets", type=positive_int(), default=8, help="number of budgets, 2 to 64 (default 8)")
+    p.add_argument("--budgets", type=positive_int(minimum=2), default=8, help="number of budgets, 2 to 64 (default 8)")
     add_cost_flag(p)
     add_kernel_flags(p)
     add_budget_on_flag(p, "what each budget of the sweep is on")

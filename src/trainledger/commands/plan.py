@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import keyword
 import shlex
@@ -206,6 +207,20 @@ def check_policy_path(args: argparse.Namespace) -> None:
             f"policy file name {path.name!r} cannot be imported (`import {path.stem}`); "
             "use letters, digits and _, as in remat_policy.py"
         )
+    if _names_a_module(path.stem):  # torch.py beside a training script hides torch itself from it
+        raise InputError(
+            f"policy file name {path.name!r} is the name of a module Python finds already ({path.stem}): beside a "
+            "training script it would hide that module; pick another name, as in remat_policy.py"
+        )
+
+
+def _names_a_module(name: str) -> bool:
+    """Whether ``import name`` finds a module without the policy file: one of the standard library's, or one this
+    environment has installed (a file of that name in the current folder is the user's own, not counted)."""
+    if name in sys.stdlib_module_names or name in sys.builtin_module_names:
+        return True
+    here = {str(Path.cwd()), "", "."}
+    return importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if p not in here]) is not None
 
 
 # Flags left out of the command line written into an exported policy file: outputs, and defaults.

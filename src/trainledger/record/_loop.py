@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from trainledger.checks import describe, instance_of
 from trainledger.errors import InputError
-from trainledger.inventory import iter_state, storage_key, trained_outside
+from trainledger.inventory import iter_state, storage_key, trained_outside, trains_none_of
 from trainledger.ledger import ROOT_SCOPE, Category, Entry, Ledger, Peak
 from trainledger.record._compiled import (
     CompiledRegions,
@@ -90,7 +90,7 @@ from trainledger.trace import (
     with_kernel_workspace,
 )
 from trainledger.units import counted
-from trainledger.workload import iter_tensors, trains_none_of
+from trainledger.workload import iter_tensors
 
 _current_node = torch._C._current_autograd_node
 

@@ -272,6 +272,14 @@ def find_candidates(
             + ", ".join(skipped)
         )
     unsafe |= overwritten
+    drawing = _drawing_privately(tree, record)
+    skipped = sorted({tree.calls[i].path for i in drawing - unsafe if i in positions})
+    if skipped:
+        notes.append(
+            "not recomputed, because they draw random numbers from a torch.Generator of their own, whose state "
+            "checkpointing does not keep (the recomputation would draw others): " + ", ".join(skipped)
+        )
+    unsafe |= drawing
     cands: list[Candidate] = []
     labels: list[str] = []
     blocks: list[int] = []
@@ -351,6 +359,13 @@ def _arguments_overwritten(tree: CallTree, record: ForwardRecord | None) -> set[
         for i, c in enumerate(tree.calls)
         if i < len(record.call_args) and any(written_at.get(a, -1) >= c.stop for a in record.call_args[i])
     }
+
+
+def _drawing_privately(tree: CallTree, record: ForwardRecord | None) -> set[int]:
+    """Calls inside which an op draws from a generator of the model's own (see ``ForwardRecord.private_rng``)."""
+    if record is None or not record.private_rng:
+        return set()
+    return {i for i, c in enumerate(tree.calls) if any(c.start <= f < c.stop for f in record.private_rng)}
 
 
 def _unsafe_writes(plain: Ledger, tree: CallTree) -> set[int]:

@@ -402,6 +402,8 @@ class Plan:
         if data.get("schema") != PLAN_SCHEMA:
             raise InputError(f"not a trainledger plan: schema {data.get('schema')!r}, expected {PLAN_SCHEMA!r}")
         try:
+            if not isinstance(data["regions"], list):
+                raise InputError(f"its regions are {describe(data['regions'])}, not a list of regions")
             regions = tuple(Region.from_dict(r) for r in data["regions"])
             budget, plain, predicted, floor = (
                 None if data.get(key) is None else whole_number(data[key], f"the plan's {key}", minimum=0)

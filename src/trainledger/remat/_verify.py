@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from trainledger.allocator import AllocatorConfig, ReservedPrediction, predict_reserved
+from trainledger.inventory import optimizers_within
 from trainledger.ledger import Ledger, LedgerSummary
 from trainledger.remat._plan import Plan
+from trainledger.trace import TrainingState
 from trainledger.workload import Workload, call_model, compute_loss, intra_op_threads, run_step, user_errors
 
 AGREEMENT = 0.01
@@ -184,19 +186,10 @@ def _with_and_without(
     """``observe()`` from the same model, optimizer and RNG state without and with the plan, compared value
     by value: (all bitwise equal, how many values, the names that differ). Everything is rewound after."""
     model, opt = workload.model, workload.get_optimizer()
-    state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    rng = torch.get_rng_state()
-    # an optimizer's own parameters (fp32 master copies of bf16 weights) are not in its state_dict
-    opt_params = [p for g in opt.param_groups for p in g["params"]]
-    opt_values = [p.detach().clone() for p in opt_params]
-
-    def rewind() -> None:
-        model.load_state_dict(state)
-        opt.load_state_dict(copy.deepcopy(opt_state))
-        with torch.no_grad():
-            for p, v in zip(opt_params, opt_values, strict=True):
-                p.copy_(v)
-
+    # parameters, buffers, gradients, the optimizer's state and its own parameters (fp32 masters of bf16 weights),
+    # and every generator: the default ones, and a torch.Generator a module holds (which no seed resets)
+    snapshot = TrainingState.of([model], optimizers_within(opt))
+    rewind = snapshot.restore
     try:
         plain = observe()
         rewind()
@@ -208,7 +201,6 @@ def _with_and_without(
             plan.remove(model)
     finally:
         rewind()
-        torch.set_rng_state(rng)
     mismatched = tuple(n for n in sorted(plain.keys() | planned.keys()) if not _same(plain.get(n), planned.get(n)))
     return not mismatched, len(plain), mismatched
 

@@ -61,6 +61,9 @@ class ForwardRecord:
     (a Hugging Face decoder layer's ``cache_position``)."""
     writes: tuple[tuple[int, ...], ...] = ()
     """Per op, the alloc events of the forward-allocated storages it writes in place (``x += y``, ``relu_``)."""
+    private_rng: tuple[int, ...] = ()
+    """The ops that draw from a ``torch.Generator`` of their own, not a default one: checkpointing keeps and
+    restores only the default generators' state, so a recomputation of such an op draws other numbers."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -78,6 +81,7 @@ class _Recorder(TorchDispatchMode):
         self.seconds: list[float] = []
         self.inputs: list[tuple[int, ...]] = []
         self.writes: list[tuple[int, ...]] = []
+        self.private_rng: list[int] = []
         self.alloc: dict[int, int] = {}  # storage key -> alloc event
         self.nbytes: dict[int, int] = {}
         self.freed: dict[int, int] = {}  # alloc event index of record -> free event
@@ -95,6 +99,8 @@ class _Recorder(TorchDispatchMode):
         index = len(self.ops)
         reads = self._forward_allocated((args, kwargs))
         written = self._forward_allocated(_written(func, args, kwargs))
+        if _draws_from_a_private_generator(kwargs):
+            self.private_rng.append(index)
         self.settle()
         start = time.perf_counter()
         out = func(*args, **kwargs)
@@ -283,6 +289,14 @@ def _record_runs(
         torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _draws_from_a_private_generator(kwargs: dict[str, Any]) -> bool:
+    gen = kwargs.get("generator")
+    if not isinstance(gen, torch.Generator) or gen is torch.default_generator:
+        return False
+    cuda_defaults = torch.cuda.default_generators if torch.cuda.is_available() else ()
+    return not any(gen is d for d in cuda_defaults)
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The arguments an op writes in place, as its schema marks them (``Tensor(a!)``)."""
     schema = getattr(func, "_schema", None)
@@ -311,4 +325,5 @@ def _combine(runs: list[_Recorder]) -> ForwardRecord:
         tuple((c.path, c.index) for c in first.scopes.calls),
         tuple(first.call_args.get(k, ()) for k in range(len(first.scopes.calls))),
         tuple(first.writes),
+        tuple(first.private_rng),
     )
