@@ -591,3 +591,22 @@ def test_a_diffusers_config_that_leaves_its_channels_to_the_models_defaults_is_t
     code, out, err = cli("trace", "--diffusers-config", str(path), "--fake", "--json")
     assert code == 0, err
     assert json.loads(out)["peak"]["bytes"] > 0
+
+
+def test_an_activation_transformers_has_no_entry_for_is_named_in_one_line(cli, tmp_path):
+    """transformers looks the activation up in a table: its KeyError was printed as a bare ``'evil'``."""
+    cfg = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 2,
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "hidden_act": "evil",
+    }
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(cfg))
+    code, _, err = cli("trace", "--hf-config", str(path), "--seq-len", "8", "--fake")
+    assert code == 2 and "'evil' is a name transformers has no entry for" in err, err
+    assert len(err.strip().splitlines()) == 1
