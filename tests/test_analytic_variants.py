@@ -28,6 +28,9 @@ WRONG = [
     ("mixtral", {"hidden_act": "gelu_new"}, {}),
     ("gpt2", {"activation_function": "relu"}, {}),
     ("gpt_neox", {"hidden_act": "relu"}, {}),
+    # GPT-NeoX-20B's gelu_fast: the same tanh formula written otherwise, seven tensors kept (it was refused)
+    ("gpt_neox", {"hidden_act": "gelu_fast"}, {}),
+    ("llama", {"hidden_act": "gelu_fast"}, {}),
     ("phi", {"hidden_act": "relu"}, {}),
     # a rotary fraction given in rope_scaling wins over the family's own key
     ("phi", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.25}}, {}),

@@ -1,6 +1,7 @@
 """CPU kernels that run a composite inside one op (BCE with logits, the smooth L1 and Huber losses, upsampling,
-GroupNorm's backward, log-sum-exp, sorting): their intermediates are memory no dispatch shows, probed like
-convolutions. Each step here has its peak, or a kernel's buffers, where the trace missed them before."""
+GroupNorm's backward, log-sum-exp, sorting), or cast an operand of another dtype (TensorIterator), or compute a
+bf16 gather through an fp32 buffer: memory no dispatch shows, probed like convolutions. Each step here has its
+peak, or a kernel's buffers, where the trace missed them before."""
 
 from __future__ import annotations
 
@@ -60,6 +61,37 @@ def _contrastive() -> Workload:
     return Workload(enc, torch.randn(300, 16), loss_fn=loss)
 
 
+class _MixedResidual(nn.Module):
+    """An fp32 layer's output added to a bf16 residual, summed in fp64: each op casts an operand into a temporary
+    of its size on the CPU (TensorIterator), which no dispatch shows. The trace was 18% short."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = torch.zeros(x.shape[0], 256, dtype=torch.bfloat16)
+        return self.b(torch.relu(self.a(x)) + residual).sum(dtype=torch.float64).float()
+
+
+class _RelativeGather(nn.Module):
+    """DeBERTa's disentangled attention in miniature: bf16 scores gathered by an expanded integer index built from
+    relative positions (an integer division into floats): the gather computes through an fp32 buffer."""
+
+    def __init__(self, n: int = 96) -> None:
+        super().__init__()
+        self.n = n
+        self.proj = nn.Linear(32, 2 * n).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.proj(x.to(torch.bfloat16))  # (batch, n, 2n)
+        pos = torch.arange(self.n)
+        relative = (pos[:, None] - pos[None, :]) / 2  # integers divided into floats
+        index = (relative.floor().long() + self.n).clamp(0, 2 * self.n - 1)
+        picked = torch.gather(scores, -1, index.expand(x.shape[0], -1, -1))
+        return picked.float().square().mean()
+
+
 CASES = {
     "bce-with-logits": (_multilabel_head, {"aten.binary_cross_entropy_with_logits"}),
     "nearest-smooth-l1": (lambda: _decoder("nearest", F.smooth_l1_loss), {"aten.smooth_l1_loss"}),
@@ -68,6 +100,14 @@ CASES = {
         {"aten.huber_loss", "aten.upsample_bilinear2d", "aten.native_group_norm_backward"},
     ),
     "logsumexp": (_contrastive, {"aten.logsumexp"}),
+    "mixed-dtypes": (
+        lambda: Workload(_MixedResidual(), torch.randn(300, 64)),
+        {"aten.add.Tensor", "aten.sum"},
+    ),
+    "expanded-gather": (
+        lambda: Workload(_RelativeGather(), torch.randn(4, 96, 32)),
+        {"aten.gather", "aten.div.Tensor"},
+    ),
 }
 
 

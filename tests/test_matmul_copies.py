@@ -132,7 +132,9 @@ def test_ordinary_products_add_nothing(name, monkeypatch):
     """Contiguous and transposed-contiguous operands are read in place: the ledger is the one traced without
     the layout test, entry for entry."""
     led = trace(examples.build(name))
-    monkeypatch.setattr(tracer_module, "blas_copies", lambda *_: False)
+    for op in kernels_module.MATMUL_OPERANDS:  # no product probed: each op's test says no
+        monkeypatch.setitem(kernels_module.CONDITIONAL_PROBES, op, (lambda *_: False, None))
+    monkeypatch.setattr(tracer_module, "_OPS", {})  # (each op's test is read once per op and kept)
     assert _entries(led) == _entries(trace(examples.build(name)))
 
 

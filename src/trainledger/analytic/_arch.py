@@ -13,7 +13,7 @@ FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox",
 # second linear or the gate's product, saves anyway): silu and gelu keep their input; relu keeps only its
 # output (``threshold_backward`` reads it); gelu_new (GPT-2's and Phi's tanh formula, written out in Python)
 # keeps its input, the tanh, x/2 and 1 + tanh.
-ACTIVATIONS = {"silu": 1, "swish": 1, "gelu": 1, "relu": 0, "gelu_new": 4, "gelu_pytorch_tanh": 1}
+ACTIVATIONS = {"silu": 1, "swish": 1, "gelu": 1, "relu": 0, "gelu_new": 4, "gelu_fast": 7, "gelu_pytorch_tanh": 1}
 OUTPUT_SAVING = frozenset({"relu"})
 """Activations whose backward reads their output: it stays saved when no later op saves it."""
 

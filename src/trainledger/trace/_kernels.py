@@ -183,7 +183,84 @@ def blas_copies(positions: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[
     return out is not None and not blas_reads(out)
 
 
+# Elementwise ops computed by a CPU TensorIterator, which casts an operand of another dtype than the one it computes
+# in into a temporary of the operand's size (on CUDA the kernel casts as it loads): ``fp32 + bf16`` holds an fp32
+# copy of the bf16 operand inside the op, ``float_tensor * long_tensor`` one of the integers; a 0-dim operand is a
+# scalar to it (4 bytes). Probed only where two operands differ in dtype (``casts_an_operand``).
+CASTING_OPS: frozenset[str] = frozenset(
+    f"aten.{name}"
+    for name in (
+        "add.Tensor add_.Tensor sub.Tensor sub_.Tensor mul.Tensor mul_.Tensor div.Tensor div_.Tensor div.Tensor_mode "
+        "where.self maximum minimum pow.Tensor_Tensor atan2 hypot copysign.Tensor fmod.Tensor remainder.Tensor "
+        "eq.Tensor ne.Tensor lt.Tensor le.Tensor gt.Tensor ge.Tensor addcmul addcmul_ addcdiv addcdiv_ lerp.Tensor "
+        "lerp_.Tensor xlogy.Tensor clamp.Tensor logical_and logical_or"
+    ).split()
+)
+# Reductions given a dtype other than their input's (``x.sum(dtype=torch.float64)``, ``softmax(x, dtype=...)``):
+# the input is cast into a temporary of its size first.
+REDUCTIONS_TO_A_DTYPE: frozenset[str] = frozenset(
+    f"aten.{name}"
+    for name in "sum sum.dim_IntList mean mean.dim prod prod.dim_int cumsum cumprod _softmax softmax.int "
+    "log_softmax.int _log_softmax linalg_vector_norm".split()
+)
+# Index ops whose CPU kernels compute a bf16 or fp16 source through an fp32 buffer, or make an expanded (stride-0)
+# index contiguous: DeBERTa's disentangled attention gathers bf16 scores by an expanded index, 16,777,216 bytes
+# inside one gather of 4 x 4 x 512 x 512 (nothing for the same gather in fp32).
+INDEX_OPS: frozenset[str] = frozenset(
+    f"aten.{name}"
+    for name in "gather scatter_add scatter_add_ scatter.src scatter_.src scatter_reduce.two index_select".split()
+)
+
+
+def casts_an_operand(divides: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a :data:`CASTING_OPS` call has two operands (not 0-dim) of different dtypes, or (``divides``: a true
+    division, no rounding mode) divides integers, which it computes in a float copy of them."""
+    dtype = None
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim():
+            if dtype is None:
+                dtype = a.dtype
+            elif a.dtype != dtype:
+                return True
+    if not divides or dtype is None or kwargs.get("rounding_mode") is not None:
+        return False
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def casts_to_its_dtype(_positions: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a :data:`REDUCTIONS_TO_A_DTYPE` call is given a dtype other than its input's."""
+    dtype = kwargs.get("dtype")
+    if dtype is None:  # ``softmax.int(self, dim, dtype)``: positional
+        dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+    first = args[0] if args else None
+    return dtype is not None and isinstance(first, torch.Tensor) and first.dtype != dtype
+
+
+def index_copies(_positions: Any, args: tuple[Any, ...], _kwargs: dict[str, Any]) -> bool:
+    """Whether an :data:`INDEX_OPS` call has a bf16 or fp16 tensor, or an expanded (stride-0) one."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and (
+            a.dtype in ONEDNN_PRODUCT_DTYPES
+            or any(st == 0 and n > 1 for st, n in zip(a.stride(), a.shape, strict=True))
+        ):
+            return True
+    return False
+
+
 ONEDNN_PRODUCT_DTYPES = frozenset({torch.bfloat16, torch.float16})
+
+
+def _conditional_probes() -> dict[str, tuple[Any, Any]]:
+    table: dict[str, tuple[Any, Any]] = {op: (blas_copies, positions) for op, positions in MATMUL_OPERANDS.items()}
+    table.update({op: (casts_an_operand, op.startswith(("aten.div.", "aten.div_."))) for op in CASTING_OPS})
+    table.update({op: (casts_to_its_dtype, None) for op in REDUCTIONS_TO_A_DTYPE})
+    table.update({op: (index_copies, None) for op in INDEX_OPS})
+    return table
+
+
+CONDITIONAL_PROBES: dict[str, tuple[Any, Any]] = _conditional_probes()
+"""Ops probed only where their arguments make the kernel hold buffers inside: ``op -> (test, its first argument)``,
+the test called as ``test(first, args, kwargs)`` before the op runs (one stride or dtype test per call)."""
 """Precisions whose CPU matrix products oneDNN computes: on processors whose oneDNN reorders operands into its
 blocked layouts (measured on one of this project's machines: 9,856 bytes inside a bf16 ``addmm`` of 16×32 by 32×64,
 2.1 MB inside one of 512×1024 by 1024×1024; nothing in fp32), the buffers live inside the op, so every such call is

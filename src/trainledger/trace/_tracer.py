@@ -29,12 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainledger.inventory import dtype_name, storage_key, storage_parts
 from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
 from trainledger.trace._kernels import (
-    MATMUL_OPERANDS,
+    CONDITIONAL_PROBES,
     NEEDS_REAL_INPUTS,
     PROBED_OPS,
     REAL_STORAGE_OPS,
     KernelCall,
-    blas_copies,
     real_output_bytes,
 )
 from trainledger.trace._scopes import ModuleScopes
@@ -334,7 +333,8 @@ class StepTracer(TorchDispatchMode):
     ) -> None:
         """What an op that may hold buffers inside, or writes in place, needs recorded before it runs."""
         op = info.name
-        if info.probed and (info.operands is None or blas_copies(info.operands, args, kwargs)):
+        when = info.when
+        if info.probed and (when is None or when[0](when[1], args, kwargs)):
             kernel = None if self.fake and op in NEEDS_REAL_INPUTS else KernelCall.of(func, args, kwargs)
             self.kernel_calls.append((index, op, module, kernel))
         if info.written and self.phase == "forward":
@@ -728,9 +728,10 @@ class _OpInfo:
 
     name: str
     probed: bool
-    """Its kernel allocates buffers inside (:data:`PROBED_OPS`), or may (a matrix product: ``operands``)."""
-    operands: tuple[int, ...] | None
-    """A matrix product's operands (:data:`MATMUL_OPERANDS`): probed only where one's layout makes it copy."""
+    """Its kernel allocates buffers inside (:data:`PROBED_OPS`), or may (``when``)."""
+    when: tuple[Callable[..., bool], Any] | None
+    """``(test, its first argument)`` of an op probed only where its arguments make it hold buffers
+    (:data:`CONDITIONAL_PROBES`: a matrix product's operand BLAS cannot read, operands of two dtypes)."""
     real_storage: bool
     """Its CPU kernel returns another storage size than its meta kernel (:data:`REAL_STORAGE_OPS`)."""
     written: tuple[tuple[int, str], ...]
@@ -771,13 +772,14 @@ def _op_info(func: Any) -> _OpInfo | None:
         schema = getattr(func, "_schema", None)  # higher-order operators have none
         arguments = schema.arguments if schema is not None else None
         returns = schema.returns if schema is not None else None
-        probed = name in PROBED_OPS or name in MATMUL_OPERANDS
+        when = CONDITIONAL_PROBES.get(name)
+        probed = name in PROBED_OPS or when is not None
         written = _write_positions(schema) if schema is not None else ()
         real_storage, accumulation = name in REAL_STORAGE_OPS, func is _ADD
         info = _OpInfo(
             name=name,
             probed=probed,
-            operands=MATMUL_OPERANDS.get(name),
+            when=when,
             real_storage=real_storage,
             written=written,
             flat=arguments is not None
