@@ -610,3 +610,23 @@ def test_an_activation_transformers_has_no_entry_for_is_named_in_one_line(cli, t
     code, _, err = cli("trace", "--hf-config", str(path), "--seq-len", "8", "--fake")
     assert code == 2 and "'evil' is a name transformers has no entry for" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"num_hidden_layers": 0}, "num_hidden_layers in the config 0 must be at least 1"),
+        ({"num_attention_heads": "2"}, "num_attention_heads in the config '2' is a str"),
+        ({"architectures": "BertForMaskedLM"}, "architectures in the config is 'BertForMaskedLM'; give a list"),
+        ({"torch_dtype": "float128"}, "torch_dtype 'float128' in the config is no dtype torch has"),
+    ],
+)
+def test_a_config_value_no_model_can_have_is_one_line(cli, tmp_path, change, said):
+    """Outside the analytic families these were taken as given: 0 layers traced a model of none, and a string
+    ``architectures`` was ignored, the model then trained as a causal LM instead of the masked LM it named."""
+    cfg = {**json.loads((FIXTURES / "bert-tiny.json").read_text()), **change}
+    path = tmp_path / "bert.json"
+    path.write_text(json.dumps(cfg))
+    code, _, err = cli("trace", "--hf-config", str(path), "--fake")
+    assert code == 2 and said in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -279,6 +279,9 @@ CASES = st.one_of(
     BAD_SIZE.map(lambda t: case(["fit", "--hf-config", LLAMA, f"--device-memory={t}"], t)),
     st.just(case(["fit", "--hf-config", LLAMA], "--device-memory")),
     st.just(case(["fit", "--hf-config", LLAMA, "--device-memory", "80"], "80GiB or 80GB")),  # not 80 bytes
+    st.sampled_from(["1e30", "16777217"]).map(
+        lambda t: case(["shard", "--params", "1e9", "--world", t], "most accepted")
+    ),
     # a policy file named after a module would hide it from the training script beside it
     st.just(case(["plan", "--model", "gpt-tiny", "--budget", "60%", "--export-policy", "torch.py"], "hide that")),
     st.just(

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from trainledger.analytic import Setup, load_config_file
-from trainledger.checks import instance_of
+from trainledger.checks import instance_of, whole_number
 from trainledger.errors import InputError
 from trainledger.hf import (
     config_errors,
@@ -185,6 +185,7 @@ def load_any_config(path: str | Path | dict[str, Any], *, task: str | None = Non
             f"unknown architecture: transformers {tf.__version__} has no model_type {model_type!r}; "
             "give the model_type of an architecture it ships (bert, t5, vit, llama, ...)"
         )
+    _check_values(raw)
     chosen, class_name = _choose_task(tf, raw, task)
     return AnyConfig(
         raw=raw,
@@ -193,6 +194,34 @@ def load_any_config(path: str | Path | dict[str, Any], *, task: str | None = Non
         source="" if isinstance(path, dict) else str(path),
         notes=_notes(raw),
     )
+
+
+# Sizes a model cannot have fewer than one of (transformers builds some with 0 and trains nothing real), or a list
+# of them (one per stage of a hierarchical model): checked in the config and in its sub-configs (a text, vision,
+# encoder or decoder part)
+_AT_LEAST_ONE = (
+    "num_attention_heads num_heads n_head num_hidden_layers num_layers n_layer hidden_size d_model n_embd "
+    "intermediate_size d_ff d_kv vocab_size encoder_layers decoder_layers encoder_attention_heads "
+    "decoder_attention_heads num_key_value_heads"
+).split()
+
+
+def _check_values(raw: dict[str, Any], where: str = "") -> None:
+    """One line for a size below one or not a whole number, ``architectures`` that is not a list of class names,
+    and a ``torch_dtype`` torch does not have; sub-configs (``text_config``...) are checked the same way."""
+    for key in _AT_LEAST_ONE:
+        value = raw.get(key)
+        for v in value if isinstance(value, list) else [] if value is None else [value]:  # per stage: SegFormer
+            whole_number(v, f"{where}{key} in the config")
+    names = raw.get("architectures")
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise InputError(f"{where}architectures in the config is {names!r}; give a list of class names")
+    dtype = raw.get("torch_dtype", raw.get("dtype"))
+    if isinstance(dtype, str) and dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise InputError(f"{where}torch_dtype {dtype!r} in the config is no dtype torch has (float32, bfloat16, ...)")
+    for key, value in raw.items():
+        if key.endswith("_config") and isinstance(value, dict) and not where:
+            _check_values(value, f"{key}.")
 
 
 def _notes(raw: dict[str, Any]) -> tuple[str, ...]:

@@ -12,7 +12,16 @@ from trainledger.analytic._config import arch_from_config, load_config_file
 from trainledger.analytic._model import analytic_ledger, saved_bytes_per_layer
 from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import Setup, setup_from_dict, setup_to_dict
-from trainledger.checks import MAX_EXPERTS, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, instance_of, whole_number
+from trainledger.checks import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    MAX_WORLD,
+    instance_of,
+    whole_number,
+)
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 
@@ -170,7 +179,7 @@ def estimate(
         (124439808, 'backward')
     """
     setup = check_setup(setup)
-    whole_number(world, "world size (data-parallel ranks)")
+    whole_number(world, "world size (data-parallel ranks)", limit=MAX_WORLD)
     raw = read_config(config)
     result = _estimate(arch_from_config(raw), setup, world, stage)
     return replace(result, source="config" if isinstance(config, dict) else str(config))

@@ -19,7 +19,7 @@ from trainledger.analytic._config import arch_from_config
 from trainledger.analytic._model import analytic_ledger, compact, step_flops
 from trainledger.analytic._params import num_params
 from trainledger.analytic._setup import RECIPES, REMATS, Setup, setup_from_dict, setup_to_dict
-from trainledger.checks import MAX_BYTES, MAX_MICRO_BATCH, instance_of, one_of, positive_number, whole_number
+from trainledger.checks import MAX_BYTES, MAX_MICRO_BATCH, MAX_WORLD, instance_of, one_of, positive_number, whole_number
 from trainledger.errors import InputError
 from trainledger.ledger import Ledger
 
@@ -56,7 +56,7 @@ class FitOptions:
                 f"device memory {self.device_memory:,} bytes leaves nothing after the reserve of "
                 f"{self.reserve_bytes:,} bytes; give a reserve below the device memory"
             )
-        whole_number(self.world, "world size (data-parallel ranks)")
+        whole_number(self.world, "world size (data-parallel ranks)", limit=MAX_WORLD)
         for what, values, accepted in (
             ("ZeRO stage", self.stages, ("zero0", "zero1", "zero2", "zero3")),
             ("rematerialization policy", self.remats, REMATS),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainledger.checks import one_of, whole_number
+from trainledger.checks import MAX_WORLD, one_of, whole_number
 from trainledger.errors import InputError
 
 Strategy = Literal["zero0", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "hybrid_shard"]
@@ -75,7 +75,7 @@ class ShardConfig:
     """FSDP on gloo: the reduce-scatter works on a full-size copy of its input while it runs."""
 
     def __post_init__(self) -> None:
-        whole_number(self.world_size, "world size (ranks)")
+        whole_number(self.world_size, "world size (ranks)", limit=MAX_WORLD)
         one_of(self.strategy, "strategy", STRATEGIES)
         one_of(self.engine, "engine", ENGINES)
         whole_number(self.num_nodes, "number of nodes")
