@@ -61,6 +61,8 @@ def test_fake_trace_equals_real_trace(path):
         ),
         # 16 frames of audio after a front end striding 5 × 4 × 4 samples; transcripts half as long
         ("wav2vec2-ctc", "ctc", {"input_values": (3, 16 * 80), "labels": (3, 8)}),
+        # the Audio Spectrogram Transformer: a spectrogram of its fixed window (48 frames of 32 mel bins)
+        ("ast-tiny", "audio-classification", {"input_values": (3, 48, 32), "labels": (3,)}),
         # text and images from the sub-configs; the model's own contrastive loss
         ("clip-tiny", "contrastive", {"input_ids": (3, 16), "pixel_values": (3, 3, 32, 32), "return_loss": True}),
     ],

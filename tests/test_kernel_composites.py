@@ -92,6 +92,55 @@ class _RelativeGather(nn.Module):
         return picked.float().square().mean()
 
 
+class _ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a depthwise convolution, then LayerNorm and an MLP over the channels of the feature map
+    permuted to channels-last; LayerNorm computes on a contiguous copy of the permuted map."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        return x + self.down(F.gelu(self.up(h))).permute(0, 3, 1, 2)
+
+
+class _Segmenter(nn.Module):
+    """A segmentation head in channels-last (as SegFormer's decoder runs): the per-pixel cross-entropy's
+    log-softmax over the channels reads a map that is not contiguous, and copies it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1).to(memory_format=torch.channels_last)
+        self.head = nn.Conv2d(16, 40, 1).to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.stem(x.contiguous(memory_format=torch.channels_last))))
+
+
+def _segmenter() -> Workload:
+    torch.manual_seed(0)
+    labels = torch.randint(0, 40, (4, 48, 48))
+    return Workload(_Segmenter(), torch.randn(4, 3, 48, 48), loss_fn=lambda out, _: F.cross_entropy(out, labels))
+
+
+class _ConvThenTokens(nn.Module):
+    """An exact GELU on a convolution's map, then its pixels as tokens: the GELU's gradient comes back permuted,
+    and its backward holds a copy for the two layouts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.proj = nn.Conv2d(3, 24, 3, padding=1), nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.conv(x)).flatten(2).transpose(1, 2)  # (batch, pixels, channels)
+        scores = torch.softmax(self.proj(h).transpose(1, 2), dim=-1)  # softmax over the pixels of a transposed map
+        valid = (h[..., 0] > 0).sum(dtype=None)  # a count of booleans: summed in int64
+        return scores.square().sum() + valid * 1e-6
+
+
 CASES = {
     "bce-with-logits": (_multilabel_head, {"aten.binary_cross_entropy_with_logits"}),
     "nearest-smooth-l1": (lambda: _decoder("nearest", F.smooth_l1_loss), {"aten.smooth_l1_loss"}),
@@ -103,6 +152,15 @@ CASES = {
     "mixed-dtypes": (
         lambda: Workload(_MixedResidual(), torch.randn(300, 64)),
         {"aten.add.Tensor", "aten.sum"},
+    ),
+    "convnext-permuted-layer-norm": (
+        lambda: Workload(_ConvNeXtBlock(), torch.randn(4, 32, 28, 28), loss_fn=lambda out, _: out.square().mean()),
+        {"aten.native_layer_norm"},
+    ),
+    "channels-last-cross-entropy": (_segmenter, {"aten._log_softmax"}),
+    "permuted-gelu-gradient": (
+        lambda: Workload(_ConvThenTokens(), torch.randn(4, 3, 24, 24)),
+        {"aten.gelu_backward", "aten._softmax", "aten.sum"},
     ),
     "expanded-gather": (
         lambda: Workload(_RelativeGather(), torch.randn(4, 96, 32)),
@@ -125,3 +183,19 @@ def test_the_multilabel_heads_peak_is_its_loss_with_the_kernels_intermediates():
     peak = m.traced.peak()
     assert (peak.phase, peak.op) == ("forward", "aten.binary_cross_entropy_with_logits")
     assert peak.by_category["workspace"] >= 2 * 40 * 3000 * 4  # two logits-sized intermediates
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "nbytes"),
+    [
+        ("convnext-permuted-layer-norm", "aten.native_layer_norm", 4 * 28 * 28 * 32 * 4),  # a copy of its input
+        ("channels-last-cross-entropy", "aten._log_softmax", 4 * 40 * 48 * 48 * 4),  # a copy of the logits
+        ("permuted-gelu-gradient", "aten._softmax", 4 * 24 * 576 * 4),  # a copy of the transposed scores
+        ("permuted-gelu-gradient", "aten.sum", 4 * 576 * 8),  # the booleans as int64
+        ("permuted-gelu-gradient", "aten.gelu_backward", 2 * 4 * 24 * 24 * 24 * 4),  # twice the input
+    ],
+)
+def test_a_copy_for_a_layout_or_a_dtype_is_the_size_a_hand_calculation_gives(name, op, nbytes):
+    m = measure(CASES[name][0](), num_steps=1)
+    internal = [e.nbytes for e in m.traced.entries if e.role == KERNEL_INTERNAL and e.name.split("#")[0] == op]
+    assert internal == [nbytes]

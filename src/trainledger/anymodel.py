@@ -579,13 +579,19 @@ def _image_side(config: Any) -> tuple[int, int, int]:
 
 def _audio(model: nn.Module, setup: Setup, draw: _Draw) -> dict[str, torch.Tensor]:
     """Audio inputs: raw samples (``input_values``, as many as make ``seq_len`` frames after a wav2vec2-style
-    convolutional front end) or log-mel features (``input_features``: Whisper's fixed 30-second window, or
+    convolutional front end; for the Audio Spectrogram Transformer a spectrogram of its window) or log-mel
+    features (``input_features``: Whisper's fixed 30-second window, or
     ``seq_len`` frames of filterbank features)."""
     config, b, t = model.config, setup.micro_batch, setup.seq_len
+    mels = getattr(config, "num_mel_bins", None)
+    frames = getattr(config, "max_length", None)
+    if model.main_input_name == "input_values" and mels and isinstance(frames, int):
+        # the Audio Spectrogram Transformer: a spectrogram of its fixed window, frames by mel bins (its position
+        # embeddings are sized for that many frames)
+        return {"input_values": draw.floats((b, frames, mels))}
     if model.main_input_name == "input_values":
         hop = math.prod(getattr(config, "conv_stride", None) or (1,))
         return {"input_values": draw.floats((b, t * hop))}
-    mels = getattr(config, "num_mel_bins", None)
     if mels and getattr(config, "max_source_positions", None):  # Whisper: 2 frames per encoder position
         return {"input_features": draw.floats((b, mels, 2 * config.max_source_positions))}
     width = getattr(config, "input_feat_per_channel", None) or mels or getattr(config, "feature_size", None)

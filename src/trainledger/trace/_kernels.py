@@ -198,11 +198,27 @@ CASTING_OPS: frozenset[str] = frozenset(
 )
 # Reductions given a dtype other than their input's (``x.sum(dtype=torch.float64)``, ``softmax(x, dtype=...)``):
 # the input is cast into a temporary of its size first.
-REDUCTIONS_TO_A_DTYPE: frozenset[str] = frozenset(
-    f"aten.{name}"
-    for name in "sum sum.dim_IntList mean mean.dim prod prod.dim_int cumsum cumprod _softmax softmax.int "
-    "log_softmax.int _log_softmax linalg_vector_norm".split()
+# Summing or multiplying integers or booleans without a dtype computes in int64 (``(labels != -100).sum()``): a
+# bool or int32 input is cast into an int64 temporary of its length first, 8 bytes an element.
+_INTEGER_REDUCTIONS = frozenset(
+    f"aten.{name}" for name in "sum sum.dim_IntList prod prod.dim_int cumsum cumprod".split()
 )
+REDUCTIONS_TO_A_DTYPE: frozenset[str] = _INTEGER_REDUCTIONS | frozenset(
+    f"aten.{name}" for name in "mean mean.dim linalg_vector_norm".split()
+)
+# Ops whose kernels compute on a contiguous copy of a tensor that is not (``X.expect_contiguous()`` in
+# layer_norm.cpp, ``input.contiguous()`` in SoftMax.cpp): a ConvNeXt block's LayerNorm of a
+# permuted feature map, a segmentation loss's log-softmax over the channels of a channels-last map, each hold a copy
+# of their input inside the op. Probed only where a tensor argument is not contiguous (``reads_a_copy``).
+CONTIGUOUS_OPS: frozenset[str] = frozenset(
+    f"aten.{name}"
+    for name in "native_layer_norm _softmax _log_softmax _safe_softmax _softmax_backward_data "
+    "_log_softmax_backward_data".split()
+)
+# Elementwise kernels that copy where their operands' layouts differ (measured: the exact GELU's backward, given a
+# permuted gradient of a contiguous input, holds twice the input's size inside; its tanh form and the other
+# activations' backwards nothing). Probed only where two tensor arguments' strides differ (``strides_differ``).
+LAYOUT_SENSITIVE_OPS: frozenset[str] = frozenset({"aten.gelu_backward"})
 # Index ops whose CPU kernels compute a bf16 or fp16 source through an fp32 buffer, or make an expanded (stride-0)
 # index contiguous: DeBERTa's disentangled attention gathers bf16 scores by an expanded index, 16,777,216 bytes
 # inside one gather of 4 x 4 x 512 x 512 (nothing for the same gather in fp32).
@@ -227,13 +243,33 @@ def casts_an_operand(divides: bool, args: tuple[Any, ...], kwargs: dict[str, Any
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
-def casts_to_its_dtype(_positions: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a :data:`REDUCTIONS_TO_A_DTYPE` call is given a dtype other than its input's."""
-    dtype = kwargs.get("dtype")
-    if dtype is None:  # ``softmax.int(self, dim, dtype)``: positional
-        dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+def casts_to_its_dtype(integer_reduction: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a :data:`REDUCTIONS_TO_A_DTYPE` call is given a dtype other than its input's, or (``integer_reduction``:
+    a sum or product) is given none for integers narrower than int64 or booleans."""
     first = args[0] if args else None
-    return dtype is not None and isinstance(first, torch.Tensor) and first.dtype != dtype
+    if not isinstance(first, torch.Tensor):
+        return False
+    dtype = kwargs.get("dtype")
+    if dtype is None:  # ``sum.dim_IntList(self, dim, keepdim, dtype)``: positional
+        dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+    if dtype is None:
+        kind = first.dtype
+        return integer_reduction and kind != torch.int64 and not kind.is_floating_point and not kind.is_complex
+    return first.dtype != dtype
+
+
+def reads_a_copy(_unused: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a :data:`CONTIGUOUS_OPS` call has a tensor argument that is not contiguous."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and not a.is_contiguous():
+            return True
+    return any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in kwargs.values())
+
+
+def strides_differ(_unused: Any, args: tuple[Any, ...], _kwargs: dict[str, Any]) -> bool:
+    """Whether two tensor arguments of a :data:`LAYOUT_SENSITIVE_OPS` call have different strides."""
+    strides = {a.stride() for a in args if isinstance(a, torch.Tensor)}
+    return len(strides) > 1
 
 
 def index_copies(_positions: Any, args: tuple[Any, ...], _kwargs: dict[str, Any]) -> bool:
@@ -253,7 +289,9 @@ ONEDNN_PRODUCT_DTYPES = frozenset({torch.bfloat16, torch.float16})
 def _conditional_probes() -> dict[str, tuple[Any, Any]]:
     table: dict[str, tuple[Any, Any]] = {op: (blas_copies, positions) for op, positions in MATMUL_OPERANDS.items()}
     table.update({op: (casts_an_operand, op.startswith(("aten.div.", "aten.div_."))) for op in CASTING_OPS})
-    table.update({op: (casts_to_its_dtype, None) for op in REDUCTIONS_TO_A_DTYPE})
+    table.update({op: (casts_to_its_dtype, op in _INTEGER_REDUCTIONS) for op in REDUCTIONS_TO_A_DTYPE})
+    table.update({op: (reads_a_copy, None) for op in CONTIGUOUS_OPS})
+    table.update({op: (strides_differ, None) for op in LAYOUT_SENSITIVE_OPS})
     table.update({op: (index_copies, None) for op in INDEX_OPS})
     return table
 
