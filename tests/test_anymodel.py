@@ -632,3 +632,24 @@ def test_a_config_value_no_model_can_have_is_one_line(cli, tmp_path, change, sai
     code, _, err = cli("trace", "--hf-config", str(path), "--fake")
     assert code == 2 and said in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_parameters_made_in_fp32_by_hand_are_built_in_the_recipes_dtype():
+    """XLNet makes its relative attention's weights as ``nn.Parameter(torch.FloatTensor(...))``, which the dtype
+    transformers builds in does not reach: they stayed fp32 beside bf16 ones and the warm-up step failed."""
+    from trainledger.trace import trace
+
+    cfg = {"model_type": "xlnet", "architectures": ["XLNetLMHeadModel"], "vocab_size": 128, "d_model": 32}
+    cfg |= {"n_layer": 2, "n_head": 2, "d_inner": 64}
+    w = workload_from_any_config(load_any_config(cfg), Setup(micro_batch=2, seq_len=16, recipe="bf16-master"))
+    assert {p.dtype for p in w.model.parameters()} == {torch.bfloat16}
+    ledger = trace(w)
+    assert ledger.num_params() == sum(p.numel() for p in w.model.parameters())
+
+
+def test_an_image_size_takes_the_form_the_config_keeps_it_in():
+    """Hiera keeps its image size as ``[h, w]`` and refuses an int."""
+    cfg = {"model_type": "hiera", "architectures": ["HieraForImageClassification"], "image_size": [64, 64]}
+    cfg |= {"embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 2, 2], "num_labels": 3}
+    w = workload_from_any_config(load_any_config(cfg), Setup(micro_batch=2, seq_len=16), image_size=32, fake=True)
+    assert tuple(w.batch["pixel_values"].shape) == (2, 3, 32, 32)

@@ -239,7 +239,7 @@ def _transformers_config(cfg: AnyConfig, attn_impl: str, image_size: int | None)
     # a copy: transformers edits nested dicts (rope_scaling) in place, and cfg.raw is the user's
     kwargs = {k: copy.deepcopy(v) for k, v in cfg.raw.items() if k not in (*_DROPPED_KEYS, "model_type")}
     if image_size is not None and "vision_config" not in kwargs:
-        kwargs["image_size"] = image_size
+        kwargs["image_size"] = _like_its_own(_image_size_of(tf, cfg), image_size)
     with quiet_transformers():
         try:
             config = tf.AutoConfig.for_model(cfg.model_type, **kwargs)
@@ -250,6 +250,23 @@ def _transformers_config(cfg: AnyConfig, attn_impl: str, image_size: int | None)
     config.use_cache = False  # a training step keeps no key/value cache
     config._attn_implementation = attn_impl
     return config
+
+
+def _image_size_of(tf: Any, cfg: AnyConfig) -> Any:
+    """The image size the config gives, or its class's default: an int, or (Hiera, Swin v2's some) ``[h, w]``."""
+    if "image_size" in cfg.raw:
+        return cfg.raw["image_size"]
+    with quiet_transformers():
+        try:
+            return getattr(tf.AutoConfig.for_model(cfg.model_type), "image_size", None)
+        except config_errors():
+            return None
+
+
+def _like_its_own(own: Any, side: int) -> Any:
+    """``side`` pixels per side in the form the config keeps its image size: ``[side, side]`` where it keeps a
+    list (HieraConfig refuses an int), else ``side``."""
+    return [side] * len(own) if isinstance(own, (list, tuple)) else side
 
 
 _POSITIONS = ("max_position_embeddings", "n_positions", "max_target_positions", "max_seq_len")
@@ -302,6 +319,7 @@ def build_any_model(
         with quiet_transformers(), mode if mode is not None else contextlib.nullcontext(), _no_init(mode):
             try:
                 model = model_class._from_config(config, dtype=dtype)
+                _cast_bare_parameters(model, dtype)
                 if mode is not None:
                     model.tie_weights()  # initialisation, skipped on fake tensors, is where weights are tied
             except ValueError as exc:
@@ -321,6 +339,22 @@ def build_any_model(
         model.train()
         return model
     raise AssertionError("unreachable: eager attention is always tried last")
+
+
+def _cast_bare_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters made as ``nn.Parameter(torch.FloatTensor(...))`` (XLNet's relative attention) ignore the dtype
+    ``_from_config`` builds in and stay fp32, and the step then mixes dtypes and fails: they are cast to ``dtype``,
+    as ``model.to(dtype)`` would, except in the modules the model keeps in fp32 itself
+    (``_keep_in_fp32_modules``)."""
+    if dtype == torch.float32:
+        return
+    keep = {
+        *(getattr(model, "_keep_in_fp32_modules", None) or ()),
+        *(getattr(model, "_keep_in_fp32_modules_strict", None) or ()),
+    }
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype == torch.float32 and not keep.intersection(name.split(".")):
+            p.data = p.data.to(dtype)
 
 
 # --- one stack of blocks: the depth a stacked trace builds at -------------------------------------------
