@@ -88,5 +88,7 @@ if __name__ == "__main__":
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     peaks = oracle_peaks() if sys.argv[1] == "oracle" else recorded_peaks()
-    Path(sys.argv[2], f"rank-{dist.get_rank()}.json").write_text(json.dumps(peaks))
+    out = Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(peaks))
     dist.destroy_process_group()

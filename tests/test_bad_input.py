@@ -279,6 +279,7 @@ CASES = st.one_of(
     BAD_SIZE.map(lambda t: case(["fit", "--hf-config", LLAMA, f"--device-memory={t}"], t)),
     st.just(case(["fit", "--hf-config", LLAMA], "--device-memory")),
     st.just(case(["fit", "--hf-config", LLAMA, "--device-memory", "80"], "80GiB or 80GB")),  # not 80 bytes
+    st.just(case(["estimate", "--hf-config", LLAMA, "--stage", "3"], "give --world N")),  # one rank: nothing sharded
     st.sampled_from(["1e30", "9007199254740993"]).map(
         lambda t: case(["shard", "--params", "1e9", "--world", t], "most accepted")
     ),
