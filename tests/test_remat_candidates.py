@@ -349,3 +349,19 @@ def test_a_call_whose_input_a_later_op_writes_in_place_is_not_a_candidate():
     torch.manual_seed(0)
     out_of_place = Planner.build(Workload(_InPlaceResidual(in_place=False), torch.randn(6, 10)))
     assert {c.region.path for c in out_of_place.candidates.candidates} >= {"blocks.0", "blocks.1", "blocks.2"}
+
+
+def test_a_peak_no_plan_lowers_is_named_where_it_is():
+    """Wide layers on a tiny batch peak in the optimizer step, where nothing recomputed is live: the floor is the
+    plain peak, and the error says where the peak is, not that "the best plan recomputes 0 regions"."""
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())  # noqa: E731
+    model = nn.Sequential(block(), block(), nn.Linear(256, 4))
+    p = Planner.build(Workload(model, torch.randn(2, 256), loss_fn=lambda out, _: out.square().mean()))
+    assert p.floor_bytes == p.plain_peak_bytes
+    with pytest.raises(InfeasibleBudget) as info:
+        p.solve(p.plain_peak_bytes // 2)
+    peak = p.candidates.plain.peak()
+    assert peak.phase == "optimizer"
+    assert f"which no plan lowers: it is at event {peak.event} (optimizer, {peak.op})" in str(info.value)
+    assert info.value.best.regions == ()

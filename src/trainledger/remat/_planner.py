@@ -231,6 +231,17 @@ class Planner:
                     floor_bytes=self.floor_bytes,
                     best=best,
                 ) from None
+            if not best.regions:  # the floor is the plain peak: recomputation frees nothing at its instant
+                peak = self.candidates.plain.peak()
+                raise InfeasibleBudget(
+                    f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, which no "
+                    f"plan lowers: it is at event {peak.event} ({peak.phase}, {peak.op}), where recomputing "
+                    f"frees nothing (persistent state and the largest op's outputs alone are "
+                    f"{_both(self.state_floor_bytes)}); raise the budget or shard the state",
+                    budget_bytes=budget_bytes,
+                    floor_bytes=self.floor_bytes,
+                    best=best,
+                ) from None
             raise InfeasibleBudget(
                 f"budget {_both(budget_bytes)} is below the floor {_both(self.floor_bytes)}: the lowest peak "
                 f"any plan reaches on this model (persistent state and the largest op's outputs alone are "
