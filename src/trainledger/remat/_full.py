@@ -153,10 +153,15 @@ def solve_per_rank(
         return _on_rank(planner.solve(planner.plain_peak_bytes), sharding, per_rank)
     if budget_bytes < floor_rank:
         best = _on_rank(rp.floor_plan, sharding, per_rank)
+        lowest = (
+            f"the best plan recomputes {counted(len(best.regions), 'region')}"
+            if best.regions
+            else "no plan lowers the plain step's peak there (recomputing frees nothing at its instant)"
+        )
         raise InfeasibleBudget(
             f"budget {_both(budget_bytes)} per rank is below the floor {_both(floor_rank)}: the lowest peak any "
-            f"plan reaches on the fullest rank ({sharding.label()}); the best plan recomputes "
-            f"{counted(len(best.regions), 'region')}; raise the budget, add ranks or shard more (--stage 3)",
+            f"plan reaches on the fullest rank ({sharding.label()}); {lowest}; raise the budget, add ranks or "
+            "shard more (--stage 3)",
             budget_bytes=budget_bytes,
             floor_bytes=floor_rank,
             best=best,
