@@ -201,3 +201,65 @@ def test_a_plan_given_torch_compiles_wrapper_says_to_apply_it_before_compiling()
     plan = Plan(regions=(), fingerprint=structure_fingerprint(model))
     with pytest.raises(InputError, match=r"torch.compile's wrapper of the model: apply the plan .* before compiling"):
         plan.apply(torch.compile(model))
+
+
+class _LayerDrop(torch.nn.Module):
+    """Blocks skipped at random in training (wav2vec2's LayerDrop): which ones run follows torch's generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i == 0 or torch.rand(()) > 0.5:
+                x = x + block(x)
+        return x.square().mean()
+
+
+def test_the_verification_re_traces_from_the_generator_state_the_plan_was_made_from():
+    """The timed steps drew from torch's generator and left it moved on: the re-trace skipped other blocks than
+    the comparisons did, and the traced peak was not the predicted one."""
+    from trainledger.remat import Planner, verify
+
+    torch.manual_seed(0)
+    w = Workload(_LayerDrop(), torch.randn(32, 64))
+    planner = Planner.build(w)
+    plan = planner.solve(planner.floor_bytes)
+    agreed = []
+    for _ in range(3):
+        planner.restore()
+        v = verify(w, plan, repeats=2)
+        agreed.append((v.traced_peak_bytes, v.predicted_peak_bytes, v.passed))
+    assert agreed == [(plan.predicted_peak_bytes, plan.predicted_peak_bytes, True)] * 3
+
+
+class _PythonLayerDrop(_LayerDrop):
+    """The same, drawing from Python's generator (wav2vec2's adapter draws from NumPy's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        for i, block in enumerate(self.blocks):
+            if i == 0 or random.random() > 0.5:
+                x = x + block(x)
+        return x.square().mean()
+
+
+def test_a_forward_that_draws_from_pythons_generator_is_recorded_on_the_traced_steps_path():
+    """Each recording run restarted torch's generator only: runs took different paths, recorded different
+    numbers of ops, and planning ended in an IndexError."""
+    import random
+
+    from trainledger.remat import Planner, verify
+
+    torch.manual_seed(0)
+    random.seed(3)
+    w = Workload(_PythonLayerDrop(), torch.randn(32, 64))
+    planner = Planner.build(w)
+    plan = planner.solve(planner.floor_bytes)
+    planner.restore()
+    v = verify(w, plan, timing=False)
+    assert v.passed and v.traced_peak_bytes == plan.predicted_peak_bytes

@@ -11,7 +11,6 @@ optimizer state are restored after.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -213,10 +212,11 @@ def _same(a: Any, b: Any) -> bool:
 
 def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[float, float]:
     """Median wall times of untraced steps without and with ``plan``, interleaved so that load on the
-    machine affects both alike (one warm-up step of each first), on one intra-op thread; model and
-    optimizer restored after."""
+    machine affects both alike (one warm-up step of each first), on one intra-op thread; model, optimizer and
+    every generator restored after (the re-trace that follows starts where the comparisons did: a LayerDrop that
+    draws from torch's generator skipped another layer after the timed steps)."""
     model, opt = workload.model, workload.get_optimizer()
-    state, opt_state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    snapshot = TrainingState.of([model], optimizers_within(opt))
     plain: list[float] = []
     planned: list[float] = []
     try:
@@ -234,8 +234,7 @@ def step_seconds(workload: Workload, plan: Plan, *, repeats: int = 7) -> tuple[f
                         if applied:
                             plan.remove(model)
     finally:
-        model.load_state_dict(state)
-        opt.load_state_dict(opt_state)
+        snapshot.restore()
     return statistics.median(plain), statistics.median(planned)
 
 

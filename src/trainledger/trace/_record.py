@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainledger.inventory import storage_key
+from trainledger.trace._restore import _other_generators
 from trainledger.trace._scopes import ModuleScopes
 from trainledger.workload import Workload, autocast, call_model, compute_loss, intra_op_threads
 
@@ -259,12 +260,16 @@ def _record_runs(
     model = workload.model
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # Python's, NumPy's and the modules' own generators too: wav2vec2's adapter drops layers by np.random.random()
+    others = _other_generators([model])
     for _ in range(max(1, repeats) + 1):
         # every run from the generators' state the step's forward starts from: a model that draws its path
         # (stochastic depth skipping a block) takes the traced step's path each time
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        for set_state, state in others:
+            set_state(state)
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
@@ -287,6 +292,8 @@ def _record_runs(
     torch.set_rng_state(cpu_rng)  # as it was: recording the forward draws nothing the loop would see
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
+    for set_state, state in others:
+        set_state(state)
 
 
 def _draws_from_a_private_generator(kwargs: dict[str, Any]) -> bool:
