@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -365,3 +366,39 @@ def test_a_peak_no_plan_lowers_is_named_where_it_is():
     assert peak.phase == "optimizer"
     assert f"which no plan lowers: it is at event {peak.event} (optimizer, {peak.op})" in str(info.value)
     assert info.value.best.regions == ()
+
+
+class _ScaledScores(nn.Module):
+    """Attention scores scaled in place after their ``bmm`` (Funnel's ``positional_attn *= cls_mask``)."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.qkv, self.out, self.up, self.down = (
+            nn.Linear(32, 96),
+            nn.Linear(32, 32),
+            nn.Linear(32, 128),
+            nn.Linear(128, 32),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = torch.bmm(q, k.transpose(1, 2))
+        scores = scores.mul_(0.5) if self.in_place else scores * 0.5
+        h = x + self.out(torch.bmm(scores.softmax(-1), v))
+        u = self.up(h)
+        return h + self.down(F.gelu(u) * torch.sigmoid(u))
+
+
+def test_no_policy_keeps_an_output_a_later_op_writes_in_place():
+    """A selective plan kept the scores' bmm output, which the block then scaled in place: PyTorch raised "Tensor
+    cached during selective activation checkpoint has been mutated" in backward (and an exported policy too)."""
+
+    def policies(in_place: bool) -> set[str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(_ScaledScores(in_place), _ScaledScores(in_place))
+        p = Planner.build(Workload(model, torch.randn(4, 48, 32), loss_fn=lambda out, _: out.square().mean()))
+        return {c.region.policy for c in p.candidates.candidates if c.region.path == "0"}
+
+    assert "selective" in policies(in_place=False)  # it keeps every matmul's output, the scores' bmm's too
+    assert "selective" not in policies(in_place=True)

@@ -313,13 +313,17 @@ def _op_level(
     whole: Candidate,
 ) -> list[Candidate]:
     """The op-level candidates of one call: one per policy of :data:`OP_POLICIES` that keeps something,
-    saves bytes and costs less than recomputing the call whole; a policy that keeps the same outputs as an
-    earlier one here (no attention op, say) is the same plan and is left out."""
+    saves bytes and costs less than recomputing the call whole, and none of whose kept outputs a later op writes
+    in place; a policy that keeps the same outputs as an earlier one here (no attention op, say) is the same plan
+    and is left out."""
     out: list[Candidate] = []
     seen: set[frozenset[int]] = set()
+    # an output a policy keeps must not be written in place later (Funnel's ``positional_attn *= cls_mask`` on a
+    # bmm's output): PyTorch refuses the mutated cache in backward
+    written = {a for storages in record.writes for a in storages} if record is not None else set()
     for name in OP_POLICIES:
         c = _candidate(plain, tree, record, info, call, name, whole.position)
-        if c is None or not c.cached or c.cached in seen or c.saved_bytes <= 0:
+        if c is None or not c.cached or c.cached in seen or c.saved_bytes <= 0 or not written.isdisjoint(c.cached):
             continue
         seen.add(c.cached)
         if c.seconds < whole.seconds or c.flops + c.other_flops < whole.flops + whole.other_flops:
