@@ -263,3 +263,14 @@ def test_a_forward_that_draws_from_pythons_generator_is_recorded_on_the_traced_s
     planner.restore()
     v = verify(w, plan, timing=False)
     assert v.passed and v.traced_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_the_forward_recorded_for_the_solver_takes_the_traced_steps_path():
+    """The traced step follows a warm-up step; the recording's runs all started where the warm-up had, took its
+    path instead (other blocks skipped), did not line up with the trace, and the costs fell back to estimates."""
+    from trainledger.remat import Planner
+
+    torch.manual_seed(0)
+    planner = Planner.build(Workload(_LayerDrop(), torch.randn(32, 64)))
+    assert not [n for n in planner.candidates.notes if "did not line up" in n]
+    assert all(c.seconds < 1 for c in planner.candidates.candidates)  # measured, not a placeholder

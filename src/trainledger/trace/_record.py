@@ -262,14 +262,19 @@ def _record_runs(
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     # Python's, NumPy's and the modules' own generators too: wav2vec2's adapter drops layers by np.random.random()
     others = _other_generators([model])
-    for _ in range(max(1, repeats) + 1):
-        # every run from the generators' state the step's forward starts from: a model that draws its path
-        # (stochastic depth skipping a block) takes the traced step's path each time
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        for set_state, state in others:
-            set_state(state)
+    start: tuple[Any, ...] | None = None
+    for run in range(max(1, repeats) + 1):
+        # The first run warms up, as the trace's warm-up step does, from the generators' state now; every other run
+        # starts where that one left them, as the traced step's forward does (its backward and optimizer step draw
+        # nothing): a model that draws its path (LayerDrop, stochastic depth) takes the traced step's path each time.
+        if run == 1:
+            start = (torch.get_rng_state(), _cuda_rng(cuda_rng), _other_generators([model]))
+        if start is not None:
+            torch.set_rng_state(start[0])
+            if start[1] is not None:
+                torch.cuda.set_rng_state_all(start[1])
+            for set_state, state in start[2]:
+                set_state(state)
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
@@ -294,6 +299,11 @@ def _record_runs(
         torch.cuda.set_rng_state_all(cuda_rng)
     for set_state, state in others:
         set_state(state)
+
+
+def _cuda_rng(before: Any) -> Any:
+    """CUDA's generators' states now, where they were taken before (``before`` not ``None``)."""
+    return torch.cuda.get_rng_state_all() if before is not None else None
 
 
 def _draws_from_a_private_generator(kwargs: dict[str, Any]) -> bool:
