@@ -35,7 +35,22 @@ def _batch_norm_backward(channels_last: bool, grad_permuted: bool):
     return aten.native_batch_norm_backward.default, args
 
 
+def _batch_norm(strides: tuple[int, ...] | None, training: bool = True):
+    """A 2x32x1x1 map with a 1x1 convolution's strides of a pooled channels-last map (BEiT's segmentation head),
+    or a transposed 3-d input."""
+    if strides is None:
+        x = torch.randn(2, 6, 8).transpose(1, 2)  # (2, 8, 6), not contiguous
+    else:
+        x = torch.empty_strided((2, 32, 1, 1), strides).normal_()
+    c = x.shape[1]
+    args = (x, torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c), training, 0.1, 1e-5)
+    return aten.native_batch_norm.default, args
+
+
 CALLS = {
+    "batch-norm forward, pooled channels-last map": lambda: _batch_norm((32, 1, 32, 32)),
+    "batch-norm forward, pooled map, eval": lambda: _batch_norm((32, 1, 32, 32), training=False),
+    "batch-norm forward, transposed 3-d input": lambda: _batch_norm(None),
     "layer-norm, both transposed": lambda: _layer_norm_backward(True, True, True),
     "layer-norm, gradient transposed": lambda: _layer_norm_backward(False, True, True),
     "layer-norm, input transposed": lambda: _layer_norm_backward(True, False, True),
@@ -68,4 +83,5 @@ def test_fake_outputs_take_the_real_kernels_strides(name):
 META_DIFFERS = {n for n in CALLS if "transposed" in n and n != "layer-norm, input transposed"} | {
     "batch-norm, channels-last input",
     "batch-norm, permuted gradient",
+    "batch-norm forward, pooled channels-last map",
 }

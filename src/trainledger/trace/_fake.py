@@ -163,6 +163,18 @@ def _grad_input_as_input(out: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[A
     return (torch.empty_like(grad, memory_format=fmt), *out[1:])
 
 
+def _output_as_input(out: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``native_batch_norm``: the CPU kernel lays its output out as ``empty_like(input,
+    input.suggest_memory_format())``; the meta kernel keeps the input's strides, size-1 dims included: a pooled
+    map of 2x32x1x1 with strides (32, 1, 32, 32) (a 1x1 convolution's output, BEiT's segmentation head) stayed
+    channels-last-like on fake tensors only, and the upsampling and convolution after it ran channels-last."""
+    result = out[0]
+    laid_out = torch.empty_like(result, memory_format=_suggested_format(args[0]))
+    if result.stride() == laid_out.stride():
+        return out
+    return (laid_out, *out[1:])
+
+
 def _suggested_format(x: Any) -> torch.memory_format:
     """``suggest_memory_format()`` for a dense tensor: channels-last where its strides are, else contiguous."""
     if isinstance(x, torch.Tensor) and not x.is_contiguous():
@@ -191,6 +203,7 @@ def _mixed_statistics(weight_at: int) -> Any:
 FAKE_SUBSTITUTES: dict[Any, Any] = {
     torch.ops.aten.native_layer_norm_backward.default: _contiguous_grad_input,
     torch.ops.aten.native_batch_norm_backward.default: _grad_input_as_input,
+    torch.ops.aten.native_batch_norm.default: _output_as_input,
     torch.ops.aten.native_layer_norm.default: _mixed_statistics(2),
     torch.ops.aten.native_group_norm.default: _mixed_statistics(1),
 }
