@@ -212,7 +212,7 @@ def compute(args: argparse.Namespace) -> EstimateResult:
     if args.remat_every is not None and args.remat != "full":
         raise InputError(f"--remat-every {args.remat_every} applies with --remat full; add it or drop --remat-every")
     result = estimate(args.hf_config, setup_from(args), world=args.world, stage=args.stage)
-    if result.world == 1 and result.stage[-1] != "0":
+    if result.world == 1 and result.stage != "zero0":
         raise InputError(
             f"--stage {args.stage} shards across --world ranks, and one rank (the default) changes nothing; "
             "give --world N"

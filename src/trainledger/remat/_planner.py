@@ -223,36 +223,35 @@ class Planner:
                 raise InputError(
                     f"solver {solver} found no plan within {_both(budget_bytes)} ({exc}); use --solver auto or milp"
                 ) from None
-            if not self.candidates.candidates:
-                raise InfeasibleBudget(
-                    f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, and "
-                    f"{no_region_why(self.candidates.plain, self.candidates.notes)}, or raise the budget",
-                    budget_bytes=budget_bytes,
-                    floor_bytes=self.floor_bytes,
-                    best=best,
-                ) from None
-            if not best.regions:  # the floor is the plain peak: recomputation frees nothing at its instant
-                peak = self.candidates.plain.peak()
-                raise InfeasibleBudget(
-                    f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, which no "
-                    f"plan lowers: it is at event {peak.event} ({peak.phase}, {peak.op}), where recomputing "
-                    f"frees nothing (persistent state and the largest op's outputs alone are "
-                    f"{_both(self.state_floor_bytes)}); raise the budget or shard the state",
-                    budget_bytes=budget_bytes,
-                    floor_bytes=self.floor_bytes,
-                    best=best,
-                ) from None
             raise InfeasibleBudget(
-                f"budget {_both(budget_bytes)} is below the floor {_both(self.floor_bytes)}: the lowest peak "
-                f"any plan reaches on this model (persistent state and the largest op's outputs alone are "
-                f"{_both(self.state_floor_bytes)}); the best plan recomputes "
-                f"{counted(len(best.regions), 'region')} and peaks at {_both(best.predicted_peak_bytes or 0)}; "
-                "raise the budget or shard the state",
+                self._no_plan_within(budget_bytes, best),
                 budget_bytes=budget_bytes,
                 floor_bytes=self.floor_bytes,
                 best=best,
             ) from None
         return self.to_plan(sol, budget_bytes=budget_bytes)
+
+    def _no_plan_within(self, budget_bytes: int, best: Plan) -> str:
+        """Why no plan meets ``budget_bytes`` (below the floor), and what would: ``best`` is the floor's plan."""
+        if not self.candidates.candidates:
+            return (
+                f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, and "
+                f"{no_region_why(self.candidates.plain, self.candidates.notes)}, or raise the budget"
+            )
+        state = f"persistent state and the largest op's outputs alone are {_both(self.state_floor_bytes)}"
+        if not best.regions:  # the floor is the plain peak: recomputation frees nothing at its instant
+            peak = self.candidates.plain.peak()
+            return (
+                f"budget {_both(budget_bytes)} is below the plain step's peak {_both(self.floor_bytes)}, which no "
+                f"plan lowers: it is at event {peak.event} ({peak.phase}, {peak.op}), where recomputing "
+                f"frees nothing ({state}); raise the budget or shard the state"
+            )
+        return (
+            f"budget {_both(budget_bytes)} is below the floor {_both(self.floor_bytes)}: the lowest peak "
+            f"any plan reaches on this model ({state}); the best plan recomputes "
+            f"{counted(len(best.regions), 'region')} and peaks at {_both(best.predicted_peak_bytes or 0)}; "
+            "raise the budget or shard the state"
+        )
 
     def baselines(
         self, peak_of: Callable[[tuple[int, ...]], int] | None = None, *, timed: bool = True

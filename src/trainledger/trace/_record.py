@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainledger.inventory import storage_key
-from trainledger.trace._restore import _other_generators
+from trainledger.trace._restore import GeneratorStates
 from trainledger.trace._scopes import ModuleScopes
 from trainledger.workload import Workload, autocast, call_model, compute_loss, intra_op_threads
 
@@ -258,23 +258,17 @@ def _record_runs(
 ) -> None:
     registry = _flop_registry()
     model = workload.model
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    # Python's, NumPy's and the modules' own generators too: wav2vec2's adapter drops layers by np.random.random()
-    others = _other_generators([model])
-    start: tuple[Any, ...] | None = None
+    # torch's, Python's, NumPy's and the modules' own (wav2vec2's adapter drops layers by np.random.random())
+    before = GeneratorStates.of([model])
+    start: GeneratorStates | None = None
     for run in range(max(1, repeats) + 1):
         # The first run warms up, as the trace's warm-up step does, from the generators' state now; every other run
         # starts where that one left them, as the traced step's forward does (its backward and optimizer step draw
         # nothing): a model that draws its path (LayerDrop, stochastic depth) takes the traced step's path each time.
         if run == 1:
-            start = (torch.get_rng_state(), _cuda_rng(cuda_rng), _other_generators([model]))
+            start = GeneratorStates.of([model])
         if start is not None:
-            torch.set_rng_state(start[0])
-            if start[1] is not None:
-                torch.cuda.set_rng_state_all(start[1])
-            for set_state, state in start[2]:
-                set_state(state)
+            start.restore()
         scopes = ModuleScopes(roots)
         rec = _Recorder(scopes, registry, substitutes)
         scopes.clock = lambda rec=rec: len(rec.ops)
@@ -294,16 +288,7 @@ def _record_runs(
             if r[2] is None:
                 r[2] = len(rec.ops)
         runs.append(rec)
-    torch.set_rng_state(cpu_rng)  # as it was: recording the forward draws nothing the loop would see
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
-    for set_state, state in others:
-        set_state(state)
-
-
-def _cuda_rng(before: Any) -> Any:
-    """CUDA's generators' states now, where they were taken before (``before`` not ``None``)."""
-    return torch.cuda.get_rng_state_all() if before is not None else None
+    before.restore()  # as it was: recording the forward draws nothing the loop would see
 
 
 def _draws_from_a_private_generator(kwargs: dict[str, Any]) -> bool:

@@ -28,6 +28,29 @@ RESTORED_NOTE = (
 
 
 @dataclass
+class GeneratorStates:
+    """Every generator a step may draw from, as it is now: put back with :meth:`restore`."""
+
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+    others: list[tuple[Callable[[Any], Any], Any]]
+    """``(what sets its state, the state)`` for Python's ``random``, NumPy's global generator (when NumPy is loaded),
+    and ``torch.Generator`` objects the modules hold."""
+
+    @classmethod
+    def of(cls, modules: list[nn.Module]) -> GeneratorStates:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda, _other_generators(modules))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        for set_state, state in self.others:
+            set_state(state)
+
+
+@dataclass
 class TrainingState:
     """A host copy of everything a training step changes. Take it with :meth:`of`, put it back with
     :meth:`restore`."""
@@ -37,11 +60,7 @@ class TrainingState:
     grads: list[tuple[nn.Parameter, torch.Tensor | None]]
     optimizers: list[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]], list[dict[str, Any]]]]
     """Per optimizer: its state per parameter (tensors as host copies) and its groups' settings."""
-    cpu_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
-    generators: list[tuple[Callable[[Any], Any], Any]]
-    """``(what sets its state, the state)`` for the other generators a step may draw from: Python's ``random``, NumPy's
-    global one (when NumPy is loaded), and ``torch.Generator`` objects the modules hold."""
+    generators: GeneratorStates
     slots: list[tuple[dict[str, Any], str, Any]]
     """``(a module's _parameters or _buffers, name, what it held)``: a forward that assigns a new tensor to a
     buffer (``self.ema = 0.9 * self.ema + ...``) leaves the module holding another object, put back too."""
@@ -76,8 +95,7 @@ class TrainingState:
             )
             for opt in optimizers
         ]
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(tensors, grads, opts, torch.get_rng_state(), cuda, _other_generators(modules), slots)
+        return cls(tensors, grads, opts, GeneratorStates.of(modules), slots)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -95,11 +113,7 @@ class TrainingState:
                 p.grad = g.to(p.device)
         for opt, state, groups in self.optimizers:
             _restore_optimizer(opt, state, groups)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        for set_state, state in self.generators:
-            set_state(state)
+        self.generators.restore()
 
 
 def _other_generators(modules: list[nn.Module]) -> list[tuple[Callable[[Any], Any], Any]]:
