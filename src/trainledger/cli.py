@@ -20,6 +20,8 @@ from trainledger.errors import InputError
 from trainledger.signals import Terminated, exit_status, stop_children, terminating_signals_raise
 
 COMMANDS = ("demo", "state", "trace", "shard", "plan", "pareto", "estimate", "fit", "report")
+TRACING = frozenset({"demo", "trace", "plan", "pareto"})
+"""The commands that always trace a step: the tracer's compiled path is built before they run, where it is not yet."""
 """The subcommands, in the order ``--help`` lists them; each is a module of :mod:`trainledger.commands`, imported
 when the command line names it (``estimate`` and ``fit`` then never import torch) or asks for help."""
 
@@ -122,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             terminating_signals_raise(),  # SIGTERM and SIGHUP unwind like Ctrl-C: every cleanup runs
             stdout_for_json_only() if getattr(args, "json", False) else contextlib.nullcontext(),
         ):
+            if args.command in TRACING:
+                _build_compiled_tracer()
             return int(args.run(args))
     except InputError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message held
@@ -135,6 +139,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_children()
         sys.stderr.write(f"trainledger: terminated by {signal.Signals(exc.signum).name}\n")
         return exit_status(exc.signum)
+
+
+def _build_compiled_tracer() -> None:
+    """Build the tracer's compiled path (once for each torch and Python, about 20 s) before the first trace, with a
+    status line saying so on a terminal; where it cannot be built, traces take the Python hook, as fast as before."""
+    from trainledger.trace import compiled_tracer, compiled_tracer_ready
+
+    if compiled_tracer_ready():
+        return
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        compiled_tracer()
+        return
+    with err.status("building the tracer's compiled path for this torch (once, about 20 s)…"):
+        compiled_tracer()
 
 
 def entry() -> int:

@@ -423,8 +423,11 @@ def iter_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tenso
     for opt in optimizers_within(optimizer):
         for state in opt.state.values():
             for v in state.values():
-                for _, t in _state_tensors(v):
-                    yield t
+                if isinstance(v, torch.Tensor):  # the common case without a generator per value (asked twice a step)
+                    yield v
+                elif isinstance(v, (list, tuple)):
+                    for _, t in _state_tensors(v):
+                        yield t
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -50,6 +50,8 @@ from trainledger.trace._kernels import (
     kernel_entries,
 )
 from trainledger.trace._kernels import internal_bytes as kernel_internal_bytes
+from trainledger.trace._native import ready as compiled_tracer_ready
+from trainledger.trace._native import status as compiled_tracer
 from trainledger.trace._record import ForwardRecord, StorageRecord, record_forward
 from trainledger.trace._report import MeasuredStep, TraceReport
 from trainledger.trace._restore import RESTORED_NOTE, TrainingState
@@ -80,6 +82,8 @@ __all__ = [
     "TraceReport",
     "TrainingState",
     "active_tracer",
+    "compiled_tracer",
+    "compiled_tracer_ready",
     "cuda_device_of",
     "fsdp_storages",
     "has_sparse_gradients",
@@ -535,7 +539,7 @@ def _trace(
     try:
         if kernels is not None:  # count the traced step's calls only
             kernels.reset()
-        with quiet_gc(generation=1), torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), tracer:
+        with quiet_gc(generation=1), tracer, torch.autograd.graph.saved_tensors_hooks(*tracer.saved_tensor_hooks()):
             on_cpu = cuda is None and all(p.device.type == "cpu" for p in parameters)  # else host memory
             with (
                 user_errors("the traced step"),

@@ -20,7 +20,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import torch
@@ -28,15 +28,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainledger.inventory import dtype_name, storage_key, storage_parts
 from trainledger.ledger import Category, Entry, Event, Evidence, ModuleCall
+from trainledger.trace import _native
 from trainledger.trace._kernels import (
     CONDITIONAL_PROBES,
     NEEDS_REAL_INPUTS,
     PROBED_OPS,
     REAL_STORAGE_OPS,
     KernelCall,
+    blas_copies,
+    casts_an_operand,
+    casts_to_its_dtype,
+    index_copies,
+    reads_a_copy,
     real_output_bytes,
+    strides_differ,
 )
-from trainledger.trace._scopes import ModuleScopes
+from trainledger.trace._scopes import NO_CALL, ModuleScopes
 
 ProgressFn = Callable[[str, int], None]
 
@@ -111,11 +118,11 @@ class StepTracer(TorchDispatchMode):
         _NO_STORAGE = _dtensor_types()
         self.fake = fake
         self.scopes = scopes
-        scopes.clock = self._clock
         self.phase = "forward"
         # per event: phase, op, module, and the module call it ran in (NO_CALL: none); one list, appended to
         # once per op (Events are made at the end)
         self.ops: list[tuple[str, str, str, int]] = []
+        scopes.clock = self.ops.__len__  # the event clock, read twice per module call: no Python frame
         self.writes: list[tuple[int, _Storage]] = []  # in-place writes in forward: (event, storage)
         self.kernel_calls: list[tuple[int, str, str, KernelCall | None]] = []  # kernels holding buffers inside
         self.resized: list[tuple[KernelCall, list[_Storage | None]]] = []  # fake outputs the real kernel sizes
@@ -140,9 +147,26 @@ class StepTracer(TorchDispatchMode):
         reduce-scatter) runs between them (see ``_backward_ended``)."""
         self._end_queued = False
         self._backward_ended_at = -1  # ``len(self.ops)`` when the last backward's final callbacks ran
+        self._native = False  # the compiled path records this tracer's ordinary ops (see ``_native``)
+        self.native_events = 0
+        """Events the compiled path recorded (the others went through ``__torch_dispatch__``)."""
 
-    def _clock(self) -> int:
-        return len(self.ops)
+    # --- the compiled per-op path (``_native``) -----------------------------------------------------------
+
+    def __enter__(self) -> StepTracer:
+        super().__enter__()
+        self._native = _attach_native(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._native:
+                self.native_events += _native_module().detach(self)
+                self._native = False
+                self._on_free = self._freed
+                del self.__dict__["__torch_dispatch__"]
+        finally:
+            super().__exit__(*exc)
 
     @contextlib.contextmanager
     def letting_go(self) -> Iterator[None]:
@@ -373,21 +397,24 @@ class StepTracer(TorchDispatchMode):
         which a sparse kernel such as ``coalesce`` makes out of this mode's sight)."""
         outputs = [out] if isinstance(out, torch.Tensor) else tensors_of(out)
         owners = self._output_owners(op, args, module, len(outputs)) if self.phase == "optimizer" else None
-        storages = self.storages
         for j, t in enumerate(outputs):
-            if isinstance(t, _NO_STORAGE):
-                # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
-                # new when the op made it (an FSDP rank's optimizer temporaries)
-                t = t._local_tensor  # type: ignore[attr-defined]
-            if t.layout is _STRIDED:
-                if (key := _storage_address(t)) not in storages:
-                    owner = module if owners is None else owners[j]
-                    self._track(t, key, f"{op}#{index}", None, "", index, owner, index)
-            else:
-                for part in storage_parts(t):
-                    if part.layout is _STRIDED and (key := _storage_address(part)) not in storages:
-                        owner = module if owners is None else owners[j]
-                        self._track(part, key, f"{op}#{index}", None, "", index, owner, index)
+            self._output(t, op, index, module if owners is None else owners[j])
+
+    def _output(self, t: torch.Tensor, op: str, index: int, owner: str) -> None:
+        """One output of the op at ``index``: its storage, or a sparse tensor's parts', tracked where new. The
+        compiled path (``_native``) calls this for outputs that are not plain dense tensors."""
+        storages = self.storages
+        if isinstance(t, _NO_STORAGE):
+            # a DTensor's own ops run below this mode, out of sight: its bytes are its local tensor's,
+            # new when the op made it (an FSDP rank's optimizer temporaries)
+            t = t._local_tensor  # type: ignore[attr-defined]
+        if t.layout is _STRIDED:
+            if (key := _storage_address(t)) not in storages:
+                self._track(t, key, f"{op}#{index}", None, "", index, owner, index)
+        else:
+            for part in storage_parts(t):
+                if part.layout is _STRIDED and (key := _storage_address(part)) not in storages:
+                    self._track(part, key, f"{op}#{index}", None, "", index, owner, index)
 
     # --- the optimizer step, parameter by parameter ---------------------------------------------------
 
@@ -441,6 +468,13 @@ class StepTracer(TorchDispatchMode):
         return [self._parameter(first[j]) if j < len(first) else "" for j in range(num_outputs)]
 
     # --- saved tensors -------------------------------------------------------------------------------
+
+    def saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """``(pack, unpack)`` for ``torch.autograd.graph.saved_tensors_hooks``: these methods, or while the compiled
+        path records this tracer (inside ``with tracer``), its versions of them."""
+        if self._native:
+            return _native_module().saved_hooks(self, self.storages, self.ops)
+        return self.pack, self.unpack
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.layout is _STRIDED and not isinstance(t, _NO_STORAGE):
@@ -794,6 +828,110 @@ def _op_info(func: Any) -> _OpInfo | None:
     _OPS[id(func)] = info
     _OP_OBJECTS.append(func)
     return info
+
+
+# --- what the compiled path (``_native``) is told -------------------------------------------------------------
+
+# The kernel tests of ``_kernels`` that ``_native.cpp`` has a port of, by the number it knows each by; an op probed by
+# any other test goes through ``__torch_dispatch__`` every time.
+_NATIVE_TESTS: dict[Callable[..., bool], int] = {
+    blas_copies: 1,
+    casts_an_operand: 2,
+    casts_to_its_dtype: 3,
+    reads_a_copy: 4,
+    strides_differ: 5,
+    index_copies: 6,
+}
+
+
+def _native_plan(qualified: str, overload: str) -> tuple[Any, ...] | None:
+    """What the compiled path needs of an aten op, from its ``_OpInfo``: ``(name, allocates, foreach, positions of
+    the arguments it writes, accumulation, test, test's first argument)``; ``None`` where every call must go through
+    ``__torch_dispatch__`` (not work on tensors, a kernel probed at every call, BatchNorm's unannotated writes)."""
+    packet = getattr(torch.ops.aten, qualified.removeprefix("aten::"))
+    func = getattr(packet, overload or "default")
+    info = _OPS.get(id(func), _UNSEEN)
+    if info is _UNSEEN:
+        info = _op_info(func)
+    if info is None or (info.probed and info.when is None) or info.written is _RUNNING_STATS:
+        return None
+    test, first = (None, None) if info.when is None else info.when
+    number = 0 if test is None else _NATIVE_TESTS.get(test)
+    if number is None:
+        return None
+    written = tuple(i for i, _ in info.written)
+    return (info.name, info.allocates, info.foreach, written, info.accumulation, number, first)
+
+
+_native_configured = False
+
+
+def _native_module() -> Any:
+    global _native_configured
+    native = _native.module()
+    if native is not None and not _native_configured:
+        native.configure(
+            {
+                "storage_type": _Storage,
+                "storage_fields": [
+                    (f.name, None if f.default is MISSING else f.default, f.default is not MISSING)
+                    for f in fields(_Storage)
+                ],
+                "ref_type": _StorageRef,
+                "accumulation_type": _Accumulation,
+                "category_other": Category.OTHER,
+                "weights": Category.WEIGHTS,
+                "frozen": Category.FROZEN,
+                "gradients": Category.GRADIENTS,
+                "optimizer_state": Category.OPTIMIZER,
+                "detach": torch.ops.aten.detach.default,
+                "python_hook": StepTracer.__torch_dispatch__,
+                "python_pack": StepTracer.pack,
+                "python_unpack": StepTracer.unpack,
+                "python_detached": StepTracer._detached,
+                "parameter_type": torch.nn.Parameter,
+                "describe": _native_plan,
+                "dtype_name": _dtype_name,
+                "parts_outputs": StepTracer._output,
+                "forward": "forward",
+                "backward": "backward",
+                "optimizer": "optimizer",
+                "no_call": NO_CALL,
+            }
+        )
+        _native_configured = True
+    return native
+
+
+def _attach_native(tracer: StepTracer) -> bool:
+    """Have the compiled path record ``tracer``'s ordinary ops, where it can: a real (not fake) trace by this class's
+    own hook, with no op's outputs substituted."""
+    if type(tracer).__torch_dispatch__ is not StepTracer.__torch_dispatch__ or tracer.fake or tracer.substitutes:
+        return False
+    native = _native_module()
+    if native is None:
+        return False
+    native.attach(
+        tracer,
+        {
+            "ops": tracer.ops,
+            "storages": tracer.storages,
+            "refs": tracer._refs,
+            "scopes": tracer.scopes,
+            "progress": tracer._progress,
+            "writes": tracer.writes,
+            "accumulations": tracer._accumulations,
+            "finished": tracer.finished,
+            "freed_after_backward": tracer.freed_after_backward,
+            "frees_settled": tracer.frees_settled,
+            "frees_elsewhere": tracer.frees_elsewhere,
+            "thread": tracer._thread,
+        },
+    )
+    tracer._on_free = native.free_callback(tracer)  # every free while attached recorded by the same code
+    # what PyTorch asks of the mode itself (a tensor's detach) goes through the compiled path too
+    tracer.__dict__["__torch_dispatch__"] = native.dispatch_method(tracer)
+    return True
 
 
 _SINGLE_TENSOR = frozenset({"Tensor", "Optional[Tensor]"})
