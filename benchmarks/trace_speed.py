@@ -89,6 +89,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -138,9 +139,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.process_time() - t0
 
 
-def _time_traced_steps(into: list[float]) -> None:
-    """Append the CPU time of every step ``trace()`` runs under its tracer (the step run while a tracer is
-    the dispatch mode: the warm-up step is given ``on_phase`` too, so counting the calls given ``on_phase``
+def _time_traced_steps(into: dict[str, list[float]], key: list[str]) -> None:
+    """Append the CPU time of every step ``trace()`` runs under its tracer to ``into[key[0]]`` (the step run while a
+    tracer is the dispatch mode: the warm-up step is given ``on_phase`` too, so counting the calls given ``on_phase``
     mixed plain warm-up steps into the traced ones and halved the overhead a median showed)."""
     from trainledger.trace import active_tracer
 
@@ -152,21 +153,32 @@ def _time_traced_steps(into: list[float]) -> None:
         t0 = time.process_time()
         run_step(workload, **kwargs)
         if traced:
-            into.append(time.process_time() - t0)
+            into[key[0]].append(time.process_time() - t0)
 
     module.run_step = timed
 
 
 def overhead(name: str) -> dict:
-    """Times of one model's step plain, under a no-op mode, traced, the whole ``trace()``, and MemTracker."""
+    """Times of one model's step plain, under a no-op mode, traced (the compiled path, and the Python hook alone), the
+    whole ``trace()``, MemTracker, and the profiler."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import trainledger
-    from trainledger.trace import ModuleScopes, StepTracer, trace
+    from trainledger.trace import compiled_tracer, trace
     from trainledger.workload import run_step
 
     torch.set_num_threads(1)
+    tracer_module = sys.modules["trainledger.trace._tracer"]
+    attach = tracer_module._attach_native
+    counted: list[int] = []
+    exit_ = tracer_module.StepTracer.__exit__
+
+    def counting_exit(self, *exc) -> None:
+        exit_(self, *exc)
+        counted.append(self.native_events)
+
+    tracer_module.StepTracer.__exit__ = counting_exit
 
     class NoOpMode(TorchDispatchMode):
         @classmethod
@@ -182,16 +194,12 @@ def overhead(name: str) -> dict:
         with NoOpMode():
             run_step(w)
 
-    def under_noop_and_hooks() -> None:
-        scopes = ModuleScopes([("", w.model)])
-        tracer = StepTracer(scopes)  # only its saved-tensor hooks run: it is not the dispatch mode here
-        scopes.open()
+    def python_hook_trace() -> None:
+        tracer_module._attach_native = lambda _tracer: False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), NoOpMode():
-                run_step(w)
+            trace(w)
         finally:
-            scopes.close()
-            tracer.stop()
+            tracer_module._attach_native = attach
 
     def under_memtracker() -> None:
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -208,9 +216,10 @@ def overhead(name: str) -> dict:
             run_step(w)
 
     times: dict[str, list[float]] = {
-        k: [] for k in ("plain", "noop", "noop_hooks", "traced_step", "trace", "memtracker", "profiler")
+        k: [] for k in ("plain", "noop", "traced_step", "traced_python", "trace", "memtracker", "profiler")
     }
-    _time_traced_steps(times["traced_step"])
+    key = ["traced_step"]
+    _time_traced_steps(times, key)
     w = build(name)
     run_step(w)
     first = _timed(lambda: trace(w))
@@ -219,15 +228,21 @@ def overhead(name: str) -> dict:
     for _ in range(ROUNDS.get(name, 5)):
         times["plain"].append(_timed_quiet(lambda: run_step(w)))
         times["noop"].append(_timed_quiet(under_noop))
-        times["noop_hooks"].append(_timed_quiet(under_noop_and_hooks))
         times["profiler"].append(_timed_quiet(under_profiler))
+        key[0] = "traced_python"
+        python_hook_trace()
+        key[0] = "traced_step"
         times["trace"].append(_timed(lambda: trace(w)))
         if memtracker_error is None:
             try:
                 times["memtracker"].append(_timed(under_memtracker))
             except Exception as exc:  # report, do not hide: MemTracker fails on some models
                 memtracker_error = f"fails: {type(exc).__name__}"
-    out: dict = {"model": name, "events": trace(w).num_events, "source": _source_label(trainledger.__file__)}
+    counted.clear()
+    events = trace(w).num_events
+    out: dict = {"model": name, "events": events, "source": _source_label(trainledger.__file__)}
+    out["compiled"] = compiled_tracer()
+    out["compiled_events"] = counted[-1] if counted else 0
     out.update({f"{k}_s": statistics.median(v) for k, v in times.items() if v})
     out["trace_first_s"] = first
     if memtracker_error is not None:
@@ -268,22 +283,22 @@ def _ms(seconds: float) -> str:
 
 def _overhead_row(r: dict, label: str) -> str:
     if "error" in r:
-        return f"| {label} | error: {r['error']} |" + " |" * 15
+        return f"| {label} | error: {r['error']} |" + " |" * 13
     plain, n = r["plain_s"], r["events"]
     mt = r.get("memtracker_s")
-    mt_ms, mt_ratio = (_ms(mt), f"{mt / plain:.2f}×") if isinstance(mt, float) else (str(mt), "")
-    prof = r.get("profiler_s")  # absent from revisions measured before it was
-    prof_ms = f"{_ms(prof)} ({prof / plain:.2f}×)" if prof is not None else "—"
+    mt_ratio = f"{mt / plain:.2f}×" if isinstance(mt, float) else str(mt)
+    prof = r.get("profiler_s")
+    prof_ratio = f"{prof / plain:.2f}×" if prof is not None else "—"
     traced, noop = r["traced_step_s"], r["noop_s"]
-    hooks = r.get("noop_hooks_s")  # absent from revisions measured before it was
-    split = f"{(hooks - noop) / n * 1e6:.1f} | {(traced - hooks) / n * 1e6:.1f}" if hooks is not None else "— | —"
+    python = r.get("traced_python_s")  # absent from revisions measured before the compiled path
+    python_cells = (
+        f"{_ms(python)} | {python / plain:.2f}× | {(python - plain) / n * 1e6:.1f}" if python else "— | — | —"
+    )
+    share = f"{r['compiled_events'] / n:.0%}" if r.get("compiled_events") else "none"
     return (
-        f"| {label} | {n:,} | {_ms(plain)} | {_ms(noop)} ({noop / plain:.2f}×) | "
-        f"{_ms(traced)} | {traced / plain:.2f}× | "
-        f"{(traced - plain) / n * 1e6:.1f} | {(traced - noop) / n * 1e6:.1f} | {split} | "
-        f"{_ms(r['trace_s'])} | {(r['trace_s'] - 2 * plain) / n * 1e6:.1f} | "
-        f"{(r['trace_s'] - plain - traced) / n * 1e6:.1f} | {_ms(r['trace_first_s'])} | "
-        f"{mt_ms} | {mt_ratio} | {prof_ms} |"
+        f"| {label} | {n:,} | {share} | {_ms(plain)} | {_ms(traced)} | {traced / plain:.2f}× | "
+        f"{(traced - plain) / n * 1e6:.1f} | {python_cells} | {_ms(noop)} ({noop / plain:.2f}×) | "
+        f"{_ms(r['trace_s'])} | {(r['trace_s'] - 2 * plain) / n * 1e6:.1f} | {mt_ratio} | {prof_ratio} |"
     )
 
 
@@ -297,20 +312,20 @@ def overhead_table(against: str | None = None) -> list[str]:
             rows.append((m, _run(["_overhead", m])))
     (RESULTS / "trace_overhead.json").write_text(json.dumps([r for _, r in rows], indent=2) + "\n")
     lines = [
-        "| model | events | plain step (ms) | no-op mode (ms) | traced step (ms) | ratio | µs/event | "
-        "µs/event above no-op | of which hooks | of which dispatch hook | trace() (ms) | "
-        "trace() µs/event beyond 2 plain steps | of which beside its steps | first trace() (ms) | "
-        "MemTracker step (ms) | MemTracker ratio | profiler with memory (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | events | by the compiled path | plain step (ms) | traced step (ms) | ratio | µs/event | "
+        "traced step, Python hook only (ms) | ratio | µs/event | no-op Python mode (ms) | trace() (ms) | "
+        "trace() µs/event beyond 2 plain steps | MemTracker ratio | profiler with memory, ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_overhead_row(r, label) for label, r in rows]
     lines += [
         "",
-        "Times are CPU time of the process (ms), medians over rounds; one intra-op thread. Per event above the "
-        "no-op mode: the hooks (module scopes, saved tensors; the no-op mode with them on, less without) and the "
-        "dispatch hook's bookkeeping (the traced step less that). Beside its steps: trace() less a plain step "
-        "(its warm-up) and the traced step (saving and restoring the training state, declaring the state, "
-        "building the ledger, kernel buffers).",
+        "Times are CPU time of the process (ms), medians over rounds; one intra-op thread. The traced step is the "
+        "step inside trace(), with the tracer's compiled path (the share of events it recorded is shown; the rest "
+        "went through __torch_dispatch__); the Python hook column is the same step traced with the compiled path "
+        "off, in the same rounds. The no-op Python mode only calls each op: the floor of any tracer that is a "
+        "Python dispatch mode. trace() is the whole call: the warm-up step, the traced step, saving and restoring "
+        "the training state, registering the compiled kernels, the ledger.",
         "",
         *(f"- {m}: {what}" for m, what in MODELS.items()),
         "",
@@ -331,9 +346,7 @@ def _goal_lines(rows: list[tuple[str, dict]]) -> list[str]:
         verdict = f"{per_event:.1f} µs per event: {'met' if per_event <= 10 else 'not met'} (≤ 10)"
         if r["plain_s"] >= 0.030:
             verdict += f"; {ratio:.2f}×: {'met' if ratio <= 1.3 else 'not met'} (≤ 1.3× at a ≥ 30 ms step)"
-        # what any Python dispatch mode costs before bookkeeping: the share of each goal left to the tracer
-        floor = (r["noop_s"] - r["plain_s"]) / r["events"] * 1e6
-        verdict += f"; the no-op mode alone: {floor:.1f} µs per event, {r['noop_s'] / r['plain_s']:.2f}×"
+        verdict += f"; compiled path: {r.get('compiled', 'absent')}"
         out.append(f"- goals, {label}: {verdict}")
     return out
 
@@ -397,11 +410,113 @@ def fake7b_table() -> list[str]:
     return lines
 
 
+# Client requests that switch callgrind's counting on around one step (valgrind's own header): the counts of the step
+# alone, without the start-up and the warm-up.
+_CALLGRIND_SWITCH = """
+#include <valgrind/callgrind.h>
+void step_begins(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
+void step_ends(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+COUNTED = ("gpt-tiny", "gpt-30ms")
+VARIANTS = ("plain", "compiled", "python")
+
+
+def count_step(name: str, variant: str, switch: str) -> None:
+    """Run under callgrind: one step of ``name`` with counting switched on around it, plain or traced (through the
+    compiled path, or the Python hook alone)."""
+    import ctypes
+
+    import torch
+
+    from trainledger.trace import active_tracer, trace
+    from trainledger.workload import quiet_gc, run_step
+
+    torch.set_num_threads(1)
+    lib = ctypes.CDLL(switch)
+    module = sys.modules["trainledger.trace"]
+    if variant == "python":
+        sys.modules["trainledger.trace._tracer"]._attach_native = lambda _tracer: False
+    w = build(name)
+    run_step(w)
+    trace(w)
+    if variant == "plain":
+        with quiet_gc(generation=1):
+            lib.step_begins()
+            run_step(w)
+            lib.step_ends()
+        return
+    inner = module.run_step
+
+    def counted(workload, **kwargs) -> None:
+        if active_tracer() is None:
+            inner(workload, **kwargs)
+            return
+        lib.step_begins()
+        inner(workload, **kwargs)
+        lib.step_ends()
+
+    module.run_step = counted
+    print(json.dumps({"events": trace(w).num_events}))
+
+
+def instructions_table() -> list[str]:
+    """Machine instructions of one step, counted by valgrind's callgrind: repeatable to a few instructions per event,
+    where times on a shared machine move by a quarter from minute to minute."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if shutil.which("valgrind") is None or compiler is None:
+        return ["(instruction counts need valgrind and a C compiler)"]
+    rows: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        source, switch = Path(tmp) / "switch.c", Path(tmp) / "switch.so"
+        source.write_text(_CALLGRIND_SWITCH)
+        subprocess.run([compiler, "-O2", "-shared", "-fPIC", str(source), "-o", str(switch)], check=True)
+        for name in COUNTED:
+            for variant in VARIANTS:
+                out = Path(tmp) / f"{name}-{variant}"
+                cmd = [
+                    "valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+                    f"--callgrind-out-file={out}", sys.executable, "-m", "benchmarks.trace_speed", "_count", name,
+                    variant, str(switch),
+                ]  # fmt: skip
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                dumps = sorted(Path(tmp).glob(f"{out.name}.*"))
+                if proc.returncode != 0 or not dumps:
+                    rows.setdefault(name, {})[variant] = -1
+                    continue
+                summary = next(line for line in dumps[-1].read_text().splitlines() if line.startswith("summary:"))
+                rows.setdefault(name, {})[variant] = int(summary.split()[1])
+                if proc.stdout.strip():
+                    rows[name]["events"] = json.loads(proc.stdout.strip().splitlines()[-1])["events"]
+    (RESULTS / "trace_instructions.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = [
+        "| model | events | plain step (instructions) | traced step, compiled path | per event above plain | ratio | "
+        "traced step, Python hook only | per event above plain | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        n, plain = r.get("events", 0), r["plain"]
+        cells = []
+        for variant in ("compiled", "python"):
+            total = r[variant]
+            cells.append(
+                f"{total:,} | {(total - plain) / n:,.0f} | {total / plain:.3f}×" if n and total > 0 else "failed | |"
+            )
+        lines.append(f"| {name} | {n:,} | {plain:,} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "`python -m benchmarks.trace_speed instructions`: valgrind's callgrind, counting switched on around the one "
+        "step (the traced step inside trace(), or a plain step), one intra-op thread.",
+    ]
+    return lines
+
+
 def main(which: str = "all", against: str | None = None) -> None:
     RESULTS.mkdir(exist_ok=True)
     lines: list[str] = []
     if which in ("all", "overhead"):
         lines += overhead_table(against)
+    if which in ("all", "instructions"):
+        lines += ["", *instructions_table()] if lines else instructions_table()
     if which in ("all", "fake7b"):
         lines += ["", *fake7b_table()] if lines else fake7b_table()
     table = "\n".join(lines)
@@ -413,6 +528,8 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if args and args[0] == "_overhead":
         print(json.dumps(overhead(args[1])))
+    elif args and args[0] == "_count":
+        count_step(args[1], args[2], args[3])
     elif args and args[0] == "_fake7b":
         print(json.dumps(fake7b(args[1])))
     else:

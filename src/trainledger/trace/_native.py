@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -30,9 +31,11 @@ import torch
 SOURCE = Path(__file__).with_name("_native.cpp")
 NAME = "trainledger_native"
 CFLAGS = ("-O2", "-DNDEBUG")  # NDEBUG: pybind11 otherwise checks that the GIL is held at every reference count change
-MIN_TORCH = (2, 13)
-"""The torch whose Python fallback the kernel mirrors (``aten/src/ATen/core/PythonFallbackKernel.cpp``): checked
-there, and built only from it on."""
+TORCH_VERSIONS = frozenset({(2, 13)})
+"""The torch releases whose Python fallback (``aten/src/ATen/core/PythonFallbackKernel.cpp``) and mode stack the
+kernel was checked against: built for these only; any other torch traces through the Python hook."""
+STALE_LOCK_SECONDS = 600
+"""A build lock older than this was left by a build that was killed (a build takes well under a minute here)."""
 
 _UNTRIED = object()
 _module: ModuleType | object | None = _UNTRIED
@@ -62,7 +65,7 @@ def ready() -> bool:
     to be built: turned off, a torch too old)."""
     if _module is not _UNTRIED or os.environ.get("TRAINLEDGER_NATIVE", "1").strip() in _OFF:
         return True
-    return (build_directory() / "ready").exists() or _torch_version() < MIN_TORCH
+    return _torch_version() not in TORCH_VERSIONS or (build_directory() / "ready").exists()
 
 
 def _load() -> ModuleType | None:
@@ -70,8 +73,9 @@ def _load() -> ModuleType | None:
     if os.environ.get("TRAINLEDGER_NATIVE", "1").strip() in _OFF:
         _reason = "turned off (TRAINLEDGER_NATIVE=0)"
         return None
-    if _torch_version() < MIN_TORCH:
-        _reason = f"needs torch {'.'.join(map(str, MIN_TORCH))} or newer (this is {torch.__version__})"
+    if _torch_version() not in TORCH_VERSIONS:
+        known = ", ".join(".".join(map(str, v)) for v in sorted(TORCH_VERSIONS))
+        _reason = f"built for torch {known} only (this is {torch.__version__})"
         return None
     folder = build_directory()
     built = folder / f"{NAME}.so"
@@ -102,6 +106,11 @@ def build_directory() -> Path:
 
 def _build(folder: Path) -> None:
     from torch.utils import cpp_extension
+
+    lock = folder / "lock"  # torch's build lock: a process killed while building leaves it, and every later one waits
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
 
     path = os.environ.get("PATH", "")
     with contextlib.suppress(ImportError):  # the ninja package's binary, where the environment's bin is not on PATH
