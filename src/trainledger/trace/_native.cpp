@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -119,7 +120,7 @@ struct Config {
   py::object python_pack, python_unpack, python_detached;  // StepTracer.pack, .unpack, ._detached
   py::object parameter_type;  // torch.nn.Parameter
   Py_ssize_t rec_last_use_event = 0;
-  py::str a_end_queued{"_end_queued"}, a_queue_backward_end{"_queue_backward_end"};
+  py::object a_end_queued = name("_end_queued"), a_queue_backward_end = name("_queue_backward_end");
   py::object accumulation_type;  // _Accumulation
   py::object category_other;  // Category.OTHER
   py::object describe;  // _native_plan(name, overload) -> tuple | None
@@ -127,9 +128,17 @@ struct Config {
   py::object parts_outputs;  // StepTracer._output(tracer, t, op, index, owner)
   py::object forward, backward, optimizer;  // the phase names
   py::object empty, captured, none_call, no_scope;  // "", "captured", NO_CALL, ("", NO_CALL)
-  py::str a_phase{"phase"}, a_scope{"scope"}, a_labelled{"_labelled"}, a_numbers{"_numbers"},
-      a_owners{"_owners"}, a_outside{"_outside"}, a_backward_scope{"backward_scope"}, a_active{"_active"},
-      a_backward_ended_at{"_backward_ended_at"}, a_pauses{"_pauses"};
+  py::object a_phase = name("phase"), a_scope = name("scope"), a_labelled = name("_labelled"),
+             a_numbers = name("_numbers"), a_owners = name("_owners"), a_outside = name("_outside"),
+             a_backward_scope = name("backward_scope"), a_active = name("_active"),
+             a_backward_ended_at = name("_backward_ended_at"), a_pauses = name("_pauses");
+
+  // An attribute's name, interned as Python interns the names in its code (lookups compare them by identity first).
+  static py::object name(const char* text) {
+    PyObject* interned = PyUnicode_InternFromString(text);
+    if (interned == nullptr) throw python_error();
+    return py::reinterpret_steal<py::object>(interned);
+  }
 };
 Config* g_config = nullptr;
 
@@ -337,12 +346,15 @@ PyObject* device_name(const at::Tensor& t) {
   return found->second.ptr();
 }
 
-// f"{prefix}{op}#{index}": a storage's name (printf-style formatting costs several times more).
+// f"{prefix}{op}#{index}": a storage's name (printf-style formatting of Python strings costs several times more).
 py::object storage_name(const char* prefix, const std::string& op, Py_ssize_t index) {
   std::string text = prefix;
+  text.reserve(text.size() + op.size() + 24);
   text += op;
   text += '#';
-  text += std::to_string(index);
+  char digits[24];
+  const int n = std::snprintf(digits, sizeof(digits), "%zd", index);
+  text.append(digits, static_cast<size_t>(n));
   return steal(PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size())));
 }
 
