@@ -272,3 +272,54 @@ def test_turned_off_by_the_environment_it_says_so_and_traces_the_same() -> None:
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_the_compiled_path_is_built_where_a_compiler_is() -> None:
     assert _native.status() == "compiled"
+
+
+def _loop(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], *, accumulate: int = 1) -> None:
+    """A user's own loop: micro-batches accumulated, the loss computed outside the model, gradients clipped."""
+    for i, x in enumerate(batches):
+        loss = model(x).square().mean() / accumulate
+        loss.backward()
+        if (i + 1) % accumulate == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def _recorded(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], accumulate: int) -> tuple[dict, int]:
+    from trainledger import record
+
+    model, opt = make()
+    torch.manual_seed(1)
+    batches = [torch.randn(6, 10) for _ in range(3 * accumulate)]
+    counted: list[int] = []
+    exit_ = tracer_module.StepTracer.__exit__
+
+    def counting_exit(self: tracer_module.StepTracer, *exc: object) -> None:
+        exit_(self, *exc)
+        counted.append(self.native_events)
+
+    tracer_module.StepTracer.__exit__ = counting_exit
+    try:
+        with record(model, opt, steps=1) as rec:
+            _loop(model, opt, batches, accumulate=accumulate)
+    finally:
+        tracer_module.StepTracer.__exit__ = exit_
+    return _ledger(rec.ledger(step=1)), sum(counted)
+
+
+@compiled
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_record_of_a_users_loop_is_the_same_both_ways(accumulate: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``record``'s tracer works out each op's phase from where it runs; the compiled path applies the same rule."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 20), nn.GELU(), nn.Dropout(0.1), nn.Linear(20, 10))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    with monkeypatch.context() as m:
+        m.setattr(tracer_module, "_attach_native", lambda _tracer: False)
+        python, _ = _recorded(make, accumulate)
+    native, recorded = _recorded(make, accumulate)
+    assert native == python
+    assert recorded >= 0.75 * native["num_events"], f"the compiled path recorded {recorded} of {native['num_events']}"

@@ -99,6 +99,8 @@ class _LoopTracer(StepTracer):
     """The step tracer, with the phase taken from where each op runs (the loop is the user's, so no
     caller can announce the phases)."""
 
+    native_phases = None  # set to _OUTSIDE below: the compiled path applies __torch_dispatch__'s rule itself
+
     def __init__(self, scopes: ModuleScopes) -> None:
         super().__init__(scopes)
         self.phase = "zero_grad"
@@ -182,6 +184,7 @@ def _warn_of_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.
 
 
 _OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
+_LoopTracer.native_phases = _OUTSIDE
 _RUNNING: list[Recording] = []  # the record(...) entered now: one at a time (each step's tracer is a mode)
 
 

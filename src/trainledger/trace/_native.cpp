@@ -121,6 +121,10 @@ struct Config {
   py::object parameter_type;  // torch.nn.Parameter
   Py_ssize_t rec_last_use_event = 0;
   py::object a_end_queued = name("_end_queued"), a_queue_backward_end = name("_queue_backward_end");
+  // record's loop tracer: the phase of each op from where it runs (see loop_phase)
+  py::object a_passthrough = name("passthrough"), a_after = name("after"), a_in_optimizer = name("in_optimizer"),
+             a_closure_forward = name("closure_forward"), a_stack = name("stack");
+  py::object zero_grad;  // "zero_grad"
   py::object accumulation_type;  // _Accumulation
   py::object category_other;  // Category.OTHER
   py::object describe;  // _native_plan(name, overload) -> tuple | None
@@ -147,6 +151,9 @@ Config* g_config = nullptr;
 struct Tracer {
   PyObject* mode = nullptr;  // the StepTracer; owned (a reference held while attached)
   py::object ops, storages, refs, scopes, on_free, progress, writes, accumulations;
+  py::object python_hook;  // its class's __torch_dispatch__: what the ops this path does not take go to
+  bool loop_phases = false;  // record's tracer: each op's phase worked out from where it runs (loop_phase)
+  py::object outside;  // then: the phase of an op between modules, by the last phase seen (record's _OUTSIDE)
   int64_t native_events = 0;  // events this path recorded (the rest went through __torch_dispatch__)
 };
 std::vector<std::unique_ptr<Tracer>> g_tracers;
@@ -598,7 +605,65 @@ void note_accumulation(Tracer& tr, c10::ArrayRef<c10::IValue> args, const c10::I
 // One op recorded as StepTracer.__torch_dispatch__ records it: its event, the storages it meets first (inputs not
 // seen before, new outputs), in forward its in-place writes, and in backward a possible accumulation. Returns false,
 // having recorded nothing, where the op needs the Python hook (a kernel probe, tensors that are not plain).
+bool truthy(const py::object& value) {
+  const int yes = PyObject_IsTrue(value.ptr());
+  if (yes < 0) throw python_error();
+  return yes == 1;
+}
+
+py::object attr(PyObject* obj, const py::object& name) {
+  return steal(PyObject_GetAttr(obj, name.ptr()));
+}
+
+void set_attr(PyObject* obj, const py::object& name, const py::object& value) {
+  if (PyObject_SetAttr(obj, name.ptr(), value.ptr()) < 0) throw python_error();
+}
+
+// record's _LoopTracer.__torch_dispatch__, before it records: the phase of the op from where it runs (the loop is
+// the user's, so no caller announces the phases). In backward when autograd runs a node; in forward inside one of
+// the model's modules; in the optimizer step inside optimizer.step() (save the loss a closure computes); between
+// modules, the phase after the last one seen (the loss after forward; unscale_ and clipping after backward).
+void loop_phase(Tracer& tr) {
+  PyObject* mode = tr.mode;
+  if (torch::autograd::get_current_node()) {
+    set_attr(mode, g_config->a_phase, g_config->backward);
+    set_attr(mode, g_config->a_after, g_config->backward);
+  } else if (PyList_GET_SIZE(attr(tr.scopes.ptr(), g_config->a_stack).ptr()) > 0) {
+    set_attr(mode, g_config->a_phase, g_config->forward);
+    set_attr(mode, g_config->a_after, g_config->forward);
+    set_attr(mode, g_config->a_closure_forward, attr(mode, g_config->a_in_optimizer));
+  } else {
+    py::object after = attr(mode, g_config->a_after);
+    if (truthy(attr(mode, g_config->a_in_optimizer)) &&
+        !(truthy(attr(mode, g_config->a_closure_forward)) && equal(after.ptr(), g_config->forward.ptr()))) {
+      set_attr(mode, g_config->a_phase, g_config->optimizer);
+    } else {
+      PyObject* next = PyDict_GetItemWithError(tr.outside.ptr(), after.ptr());
+      if (next == nullptr && PyErr_Occurred()) throw python_error();
+      set_attr(mode, g_config->a_phase, next != nullptr ? py::reinterpret_borrow<py::object>(next) : g_config->zero_grad);
+    }
+  }
+}
+
+// The op run below the mode, unrecorded (record's passthrough: a compiled backward's ops).
+void run_unseen(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool stashed) {
+  std::optional<torch::torch_dispatch_mode::StashTorchDispatchModeGuard> stash;
+  if (!stashed) stash.emplace();
+  PyThreadState* saved = PyEval_SaveThread();
+  try {
+    op.callBoxed(stack);
+  } catch (...) {
+    PyEval_RestoreThread(saved);
+    throw;
+  }
+  PyEval_RestoreThread(saved);
+}
+
 bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stack* stack, bool stashed = false) {
+  if (tr.loop_phases && truthy(attr(tr.mode, g_config->a_passthrough))) {
+    run_unseen(op, stack, stashed);
+    return true;
+  }
   const OpPlan& plan = plan_of(op);
   if (!plan.native) return false;
   const auto& schema = op.schema();
@@ -611,6 +676,7 @@ bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stac
   }
   if (test_holds(plan, schema, args)) return false;  // a kernel that holds buffers: _before_op probes it
 
+  if (tr.loop_phases) loop_phase(tr);
   py::object phase = steal(PyObject_GetAttr(tr.mode, g_config->a_phase.ptr()));
   const bool forward = same_str(phase.ptr(), g_config->forward);
   const bool optimizer = !forward && same_str(phase.ptr(), g_config->optimizer);
@@ -684,19 +750,8 @@ bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stac
   // The arguments stay alive until the outputs are tracked, as the hook's `args` keep them (a storage only the op's
   // arguments held is freed after it, at the same event, either way).
   c10::SmallVector<c10::IValue, 8> held(args.begin(), args.end());
-  {
-    // the op runs below this mode, as from the hook (which the mode's own caller stashed already, if `stashed`)
-    std::optional<torch::torch_dispatch_mode::StashTorchDispatchModeGuard> stash;
-    if (!stashed) stash.emplace();
-    PyThreadState* saved = PyEval_SaveThread();
-    try {
-      op.callBoxed(stack);
-    } catch (...) {
-      PyEval_RestoreThread(saved);
-      throw;
-    }
-    PyEval_RestoreThread(saved);
-  }
+  // the op runs below this mode, as from the hook (which the mode's own caller stashed already, if `stashed`)
+  run_unseen(op, stack, stashed);
 
   auto returns = torch::jit::last(*stack, schema.returns().size());
   if (plan.allocates) {
@@ -766,7 +821,9 @@ PyObject* torch_dispatch(PyObject* mode, PyObject* const* args, Py_ssize_t nargs
     }
     std::vector<PyObject*> call(args, args + nargs);
     call.insert(call.begin(), mode);
-    return PyObject_Vectorcall(g_config->python_hook.ptr(), call.data(), call.size(), nullptr);
+    Tracer* tr = attached(mode);
+    const py::object& hook = tr != nullptr ? tr->python_hook : g_config->python_hook;
+    return PyObject_Vectorcall(hook.ptr(), call.data(), call.size(), nullptr);
   });
 }
 
@@ -885,6 +942,9 @@ void attach(py::object mode, py::dict objects) {
   tr->progress = objects["progress"];
   tr->writes = objects["writes"];
   tr->accumulations = objects["accumulations"];
+  tr->python_hook = objects["python_hook"];
+  tr->outside = objects["loop_phases"];
+  tr->loop_phases = !tr->outside.is_none();
   py::object state = steal(PyTuple_New(kNumFreeState));
   const std::pair<FreeState, const char*> parts[] = {
       {kOps, "ops"}, {kStorages, "storages"}, {kFinished, "finished"}, {kAfterBackward, "freed_after_backward"},
@@ -940,6 +1000,7 @@ void configure(py::dict c) {
   config->optimizer_state = c["optimizer_state"];
   config->detach = c["detach"];
   config->python_hook = c["python_hook"];
+  config->zero_grad = c["zero_grad"];
   config->python_pack = c["python_pack"];
   config->python_unpack = c["python_unpack"];
   config->python_detached = c["python_detached"];

@@ -94,6 +94,10 @@ class StepTracer(TorchDispatchMode):
     """Records events and storages; use through :func:`trainledger.trace.trace`."""
 
     supports_higher_order_operators = True
+    native_phases: dict[str, str] | None = None
+    """For a subclass whose ``__torch_dispatch__`` only sets ``phase``, ``after`` and ``closure_forward`` by record's
+    rule for the user's own loop (``record._loop``) before calling this class's: the phase an op between modules
+    takes after each phase, so that the compiled path can apply the same rule."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -886,6 +890,7 @@ def _native_module() -> Any:
                 "optimizer_state": Category.OPTIMIZER,
                 "detach": torch.ops.aten.detach.default,
                 "python_hook": StepTracer.__torch_dispatch__,
+                "zero_grad": "zero_grad",
                 "python_pack": StepTracer.pack,
                 "python_unpack": StepTracer.unpack,
                 "python_detached": StepTracer._detached,
@@ -904,9 +909,10 @@ def _native_module() -> Any:
 
 
 def _attach_native(tracer: StepTracer) -> bool:
-    """Have the compiled path record ``tracer``'s ordinary ops, where it can: a real (not fake) trace by this class's
-    own hook, with no op's outputs substituted."""
-    if type(tracer).__torch_dispatch__ is not StepTracer.__torch_dispatch__ or tracer.fake or tracer.substitutes:
+    """Have the compiled path record ``tracer``'s ordinary ops, where it can: a real (not fake) trace, with no op's
+    outputs substituted, by this class's hook, or by a subclass's that only works out each op's phase by the rule
+    the compiled path knows (``native_phases``)."""
+    if tracer.fake or tracer.substitutes or not _hook_is_known(type(tracer)):
         return False
     native = _native_module()
     if native is None:
@@ -926,12 +932,26 @@ def _attach_native(tracer: StepTracer) -> bool:
             "frees_settled": tracer.frees_settled,
             "frees_elsewhere": tracer.frees_elsewhere,
             "thread": tracer._thread,
+            "python_hook": type(tracer).__torch_dispatch__,
+            "loop_phases": type(tracer).native_phases,
         },
     )
     tracer._on_free = native.free_callback(tracer)  # every free while attached recorded by the same code
     # what PyTorch asks of the mode itself (a tensor's detach) goes through the compiled path too
     tracer.__dict__["__torch_dispatch__"] = native.dispatch_method(tracer)
     return True
+
+
+def _hook_is_known(kind: type) -> bool:
+    """Whether every ``__torch_dispatch__`` on ``kind``'s way to :class:`StepTracer`'s is the class's that declares
+    ``native_phases`` (a rule for each op's phase, then this class's hook), so that the compiled path does what the
+    hook would."""
+    for cls in kind.__mro__:
+        if cls is StepTracer:
+            return True
+        if "__torch_dispatch__" in cls.__dict__ and not ("native_phases" in cls.__dict__ and cls.native_phases):
+            return False
+    return False
 
 
 _SINGLE_TENSOR = frozenset({"Tensor", "Optional[Tensor]"})
