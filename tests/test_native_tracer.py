@@ -271,7 +271,10 @@ def test_turned_off_by_the_environment_it_says_so_and_traces_the_same() -> None:
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_the_compiled_path_is_built_where_a_compiler_is() -> None:
-    assert _native.status() == "compiled"
+    if _native._torch_version() not in _native.TORCH_VERSIONS:
+        assert "built for torch" in _native.status()
+    else:
+        assert _native.status() == "compiled"
 
 
 def _loop(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], *, accumulate: int = 1) -> None:
