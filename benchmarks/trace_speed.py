@@ -1,10 +1,12 @@
-"""What tracing costs: per event, against the floor of any Python dispatch mode, and against MemTracker.
+"""What tracing costs: per event, with the tracer's compiled path and with the Python hook alone, against the floor of
+any Python dispatch mode, MemTracker and the profiler; counted in machine instructions where times are too noisy.
 
 Run from the repository root (each model in a fresh process, on one intra-op thread):
 
-    python -m benchmarks.trace_speed                 # all cases; a Markdown table, benchmarks/results/
-    python -m benchmarks.trace_speed overhead        # only the real-step overhead
+    python -m benchmarks.trace_speed                 # all cases; Markdown tables, benchmarks/results/
+    python -m benchmarks.trace_speed overhead        # only the real-step overhead, timed
     python -m benchmarks.trace_speed overhead main   # the same, and the same cases on git revision ``main``
+    python -m benchmarks.trace_speed instructions    # instructions of one step, counted by valgrind's callgrind
     python -m benchmarks.trace_speed fake7b          # only the 7B fake trace
 
 Overhead, per model: CPU time of the process (``time.process_time``, so that other processes on a shared
@@ -12,72 +14,25 @@ machine disturb it less than wall time), medians over rounds run in one process 
 variant once, so what load remains falls on all of them alike):
 
 - plain step: ``run_step`` alone;
-- no-op mode: the step under a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op —
-  the floor any Python dispatch mode pays, before any bookkeeping;
-- no-op mode + hooks: the same, with the tracer's module hooks (``ModuleScopes``: which module runs, the
-  autograd nodes each call made) and saved-tensor hooks on, as in a trace: what the hooks cost beside the
-  dispatch hook's own bookkeeping;
-- traced step: the step inside ``trace()`` (our dispatch mode, saved-tensor hooks, module hooks), timed
-  around the ``run_step`` call that ``trace()`` makes under the tracer;
-- ``trace()``: the whole call (warm-up step, traced step, ledger, kernel-buffer probes); the first call of
-  the process is shown apart, since it also runs the probes, which are cached per process after;
-- MemTracker: the step under ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same model
-  and optimizer;
+- traced step: the step inside ``trace()``, timed around the ``run_step`` call that ``trace()`` makes under the
+  tracer, with the compiled path (``trainledger.trace._native``; the share of the events it recorded is shown);
+- traced step, Python hook only: the same, with the compiled path off (every op through ``__torch_dispatch__``);
+- no-op Python mode: the step under a ``TorchDispatchMode`` whose ``__torch_dispatch__`` only calls the op — the
+  floor any tracer that is a Python dispatch mode pays, before any bookkeeping;
+- ``trace()``: the whole call (warm-up step, traced step, ledger, kernel registrations, kernel-buffer probes); the
+  first call of the process runs the probes, which are cached per process after;
+- MemTracker: the step under ``torch.distributed._tools.mem_tracker.MemTracker`` tracking the same model and
+  optimizer;
 - profiler: the step under ``torch.profiler.profile(activities=[CPU], profile_memory=True)``, PyTorch's other
-  way to see every op and allocation, timed with its exit (where it builds its events): whether it would make a
-  cheaper floor than a dispatch mode.
+  way to see every op and allocation, timed with its exit (where it builds its events).
 
-The plain step and the no-op modes run with the cyclic collector paused, as ``trace()`` pauses it around
-the traced step: with it running, its collections (each walks the young objects, and the tracer makes some
-per op) fell inside the others' times only, and the traced step came out faster than the no-op mode.
+The plain step and the no-op mode run with the cyclic collector paused, as ``trace()`` pauses it around the traced
+step. µs per event is the time beyond the plain step divided by the step's events (the ops the tracer records).
 
-µs per event is the time beyond the plain step divided by the step's events (ops the tracer records);
-"above no-op" divides the time beyond the no-op mode instead: the part that is our own bookkeeping.
-``trace()`` per event is its time beyond two plain steps (the warm-up and the traced step run the step
-twice) per event. With a revision given, the same cases run on that revision's ``src/`` (extracted with
-``git archive``) in the same run, alternating with this tree's, and the table shows both.
-
-Where the dispatch hook's own µs go (gpt-tiny, 1,267 events, one traced step). On the shared 2-core machine
-(load average 2-3 from other jobs) step times vary by ±6 µs per event from round to round, more than any one
-change here is worth, so these figures are counted, not timed: machine instructions of the traced step alone
-(``valgrind --tool=callgrind``, collection switched on around it, each count repeatable to 10 instructions per
-event), and Python bytecodes executed per function (``sys.settrace`` with opcode events). At the quiet
-figure of 15 µs per event above the plain step for 61,100 instructions, 4,100 instructions are about a µs.
-
-| per event | instructions | bytecodes |
-|---|---:|---:|
-| the no-op mode over the plain step (the floor) | 22,800 | 64 (torch's own) |
-| the tracer over the no-op mode, before this pass | 38,400 | 435 |
-| the tracer over the no-op mode, after it | 33,900 | 398 |
-| the tracer over the no-op mode, after the next (backward's module by sequence number) | 30,700 | 360 |
-
-The next pass (measured the same way, the no-op floor 22,700 instructions on this machine, the tracer above it
-33,985 before and 30,748 after): a backward op's module call is found from its autograd node's sequence number
-among the numbers the module hooks note as the running module changes (a bisection), not by labelling every
-call's graph with a walk from its outputs when it returns (``label_graph``, 34 bytecodes a event: nested calls
-walked their submodules' nodes again); and the step's end names new gradients and state only if ``zero_grad``
-ran an op (9 bytecodes a event of walking every gradient and state tensor). What did not pay: finding an
-optimizer op's parameter from a table of the parameters', gradients' and state's tensor objects made when the
-optimizer step begins (a weak reference to tell a live object from a new one at its address): as many bytecodes
-per input as the storage lookup, and the table's making on top.
-
-The Python bytecodes of the tracer (hooks included) cost the instructions: about 85 each, with the C calls they
-make (a ``torch._C._storage_address`` through pybind11 is about 700 instructions, ``t.layout`` about 200).
-Where they go, after this pass: the dispatch hook itself 157 a event (an event's record, its module, every input's
-storage looked up, the output's), the optimizer step's parameter lookups 42, ``label_graph`` 34, the record and
-weak reference of each new storage 40 (``_track`` and the dataclass ``__init__``) and the free callback 16, the
-backward module lookup 14, naming gradients and state at the phase changes 12. What paid: reading the forward's
-module and call from an attribute the module hooks keep (not two stacks per op), an op's rarer facts (kernel
-probes, in-place writes, fake-storage sizes, accumulations) behind one flag each side of the op, tensors of an op
-with keyword arguments taken flat where its schema has no list of tensors (19 bytecodes of walk a event before,
-4 after), the storage key passed to ``_track`` from the lookup that found it new, ``is_cpu`` for a storage's
-device name, a loop for ``label_graph``'s edges (a generator and a call per edge before), an event's module call
-kept in its tuple (one list appended to per op, not two), a dead weak reference left in its dictionary until its
-address is reused or the step ends (one dictionary operation less per free). What did not: a plain
-class with ``__slots__`` and its own ``__init__`` for the storage record (325 ns against the slotted dataclass's
-227 ns), ``t.untyped_storage()._cdata`` for the pybind11 key lookup (no faster), testing ``_NO_STORAGE`` before
-``isinstance`` (more bytecodes, not fewer), a separate branch for ops whose schema returns one new tensor
-(465 bytecodes a event against 462: the other ops pay its test).
+Instructions: valgrind's callgrind, counting switched on (by client requests from a small C library compiled for
+the run) around one step only, plain or traced; repeatable to a few instructions per event, where the same step's
+CPU time on this shared 2-core machine moves by a quarter from minute to minute. At this machine's quiet rate,
+about 4,100 instructions are a µs.
 
 Fake 7B: a GPT of 32 layers, hidden 4096, 32 heads, vocabulary 32000, sequence 4096, micro-batch 1, bf16
 weights, AdamW, built under ``FakeTensorMode`` (nothing allocated). Wall time of the whole call and the
