@@ -659,6 +659,97 @@ void run_unseen(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool st
   PyEval_RestoreThread(saved);
 }
 
+// _optimizer_inputs: the one parameter an optimizer op works on ("" for none or several), and its untracked tensors
+py::object optimizer_parameter(Tracer& tr, const Tensors& inputs, Tensors& untracked) {
+  py::object found = g_config->empty;
+  bool several = false;
+  for (auto* t : inputs) {
+    PyObject* rec = record_of(tr, *t);
+    if (rec == nullptr) {
+      untracked.push_back(t);
+      continue;
+    }
+    py::object name = parameter_of(rec);
+    if (PyObject_IsTrue(name.ptr()) && !same_str(name.ptr(), found)) {
+      several = several || PyObject_IsTrue(found.ptr());
+      found = name;
+    }
+  }
+  return several ? g_config->empty : found;
+}
+
+// What an op's event names: where it is, what the facts of the op and its place in the step are.
+struct Site {
+  const OpPlan& plan;
+  Py_ssize_t index;
+  py::object index_obj, phase, module, call;
+};
+
+// An input storage the tracer has not met: it existed before the step without being declared (captured in a
+// closure, RNG state...).
+void track_captured(Tracer& tr, const Tensors& tensors, const Site& site) {
+  for (auto* t : tensors) {
+    py::object key = storage_key(*t);
+    const int known = PyDict_Contains(tr.storages.ptr(), key.ptr());
+    if (known < 0) throw python_error();
+    if (known) continue;
+    py::object name = storage_name("captured:", site.plan.utf8, site.index);
+    track(tr, *t, key, name, g_config->category_other.ptr(), g_config->captured.ptr(), Py_None, site.module.ptr(),
+          site.index_obj.ptr(), site.phase.ptr());
+  }
+}
+
+// _before_op: what a forward op writes in place, for the module calls' records
+void note_forward_writes(Tracer& tr, const Site& site, c10::ArrayRef<c10::IValue> args) {
+  for (auto i : site.plan.written) {
+    Tensors written;
+    tensors_in(args.slice(static_cast<size_t>(i), 1), written);
+    for (auto* t : written) {
+      PyObject* rec = record_of(tr, *t);
+      if (rec == nullptr) continue;
+      py::object write = steal(PyTuple_Pack(2, site.index_obj.ptr(), rec));
+      if (PyList_Append(tr.writes.ptr(), write.ptr()) < 0) throw python_error();
+    }
+  }
+}
+
+// _output_owners, worked out before the op takes its arguments off the stack: in the optimizer step a foreach op's
+// j-th output is for its first list's j-th tensor's parameter
+c10::SmallVector<py::object, 4> foreach_owners(Tracer& tr, c10::ArrayRef<c10::IValue> args) {
+  c10::SmallVector<py::object, 4> owners;
+  if (!args[0].isList()) return owners;
+  for (const auto& item : args[0].toListRef()) {
+    PyObject* rec =
+        is_tensor(item) && item.toTensor().layout() == c10::kStrided ? record_of(tr, item.toTensor()) : nullptr;
+    owners.push_back(rec != nullptr ? parameter_of(rec) : g_config->empty);
+  }
+  return owners;
+}
+
+// The storages an op made: each tracked under the op's owner (for a foreach op in the optimizer step, its output's)
+void track_outputs(Tracer& tr, const Site& site, c10::ArrayRef<c10::IValue> returns, bool per_output,
+                   const c10::SmallVector<py::object, 4>& owners) {
+  Tensors outputs;
+  tensors_in(returns, outputs);
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    const at::Tensor& t = *outputs[j];
+    const py::object& owner = !per_output ? site.module : j < owners.size() ? owners[j] : g_config->empty;
+    if (!plain(t)) {  // a sparse or nested output: _outputs' way (its parts' storages)
+      py::object wrapped = steal(THPVariable_Wrap(t));
+      g_config->parts_outputs(py::handle(tr.mode), wrapped, site.plan.name, site.index_obj, owner);
+      continue;
+    }
+    py::object key = storage_key(t);
+    const int known = PyDict_Contains(tr.storages.ptr(), key.ptr());
+    if (known < 0) throw python_error();
+    if (known) continue;
+    py::object name = storage_name("", site.plan.utf8, site.index);
+    track(tr, t, key, name, Py_None, g_config->empty.ptr(), site.index_obj.ptr(), owner.ptr(), site.index_obj.ptr(),
+          site.phase.ptr());
+  }
+}
+
+// The hook's work for one op, in C++: false (nothing done) where the op is the Python hook's to record.
 bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stack* stack, bool stashed = false) {
   if (tr.loop_phases && truthy(attr(tr.mode, g_config->a_passthrough))) {
     run_unseen(op, stack, stashed);
@@ -667,8 +758,7 @@ bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stac
   const OpPlan& plan = plan_of(op);
   if (!plan.native) return false;
   const auto& schema = op.schema();
-  const auto num_arguments = schema.arguments().size();
-  auto args = torch::jit::last(*stack, num_arguments);
+  auto args = torch::jit::last(*stack, schema.arguments().size());
   Tensors inputs;
   tensors_in(args, inputs);
   for (auto* t : inputs) {
@@ -682,67 +772,20 @@ bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stac
   const bool optimizer = !forward && same_str(phase.ptr(), g_config->optimizer);
   PyObject* ops = tr.ops.ptr();
   const Py_ssize_t index = PyList_GET_SIZE(ops);
-  py::object index_obj = steal(PyLong_FromSsize_t(index));
-  py::object module, call;
+  py::object scope = forward ? steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_scope.ptr())) : backward_scope(tr);
+  Site site{plan, index, steal(PyLong_FromSsize_t(index)), phase,
+            py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(scope.ptr(), 0)),
+            py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(scope.ptr(), 1))};
   Tensors untracked;
-  {
-    py::object scope = forward ? steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_scope.ptr())) : backward_scope(tr);
-    module = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(scope.ptr(), 0));
-    call = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(scope.ptr(), 1));
-  }
-  if (optimizer) {  // _optimizer_inputs: the one parameter the op works on, and its untracked tensors
-    py::object found = g_config->empty;
-    bool several = false;
-    for (auto* t : inputs) {
-      PyObject* rec = record_of(tr, *t);
-      if (rec == nullptr) {
-        untracked.push_back(t);
-        continue;
-      }
-      py::object name = parameter_of(rec);
-      if (PyObject_IsTrue(name.ptr()) && !same_str(name.ptr(), found)) {
-        several = several || PyObject_IsTrue(found.ptr());
-        found = name;
-      }
-    }
-    module = several ? g_config->empty : found;
-  }
-  py::object event = steal(PyTuple_Pack(4, phase.ptr(), plan.name.ptr(), module.ptr(), call.ptr()));
+  if (optimizer) site.module = optimizer_parameter(tr, inputs, untracked);
+  py::object event = steal(PyTuple_Pack(4, phase.ptr(), plan.name.ptr(), site.module.ptr(), site.call.ptr()));
   if (PyList_Append(ops, event.ptr()) < 0) throw python_error();
   tr.native_events++;
-  for (auto* t : optimizer ? untracked : inputs) {
-    py::object key = storage_key(*t);
-    const int known = PyDict_Contains(tr.storages.ptr(), key.ptr());
-    if (known < 0) throw python_error();
-    if (known) continue;
-    // existed before the step without being declared: captured in a closure, RNG state...
-    py::object name = storage_name("captured:", plan.utf8, index);
-    track(tr, *t, key, name, g_config->category_other.ptr(), g_config->captured.ptr(), Py_None, module.ptr(),
-          index_obj.ptr(), phase.ptr());
-  }
-  if (forward) {  // _before_op: what the op writes in place, for the module calls' records
-    for (auto i : plan.written) {
-      Tensors written;
-      tensors_in(args.slice(static_cast<size_t>(i), 1), written);
-      for (auto* t : written) {
-        PyObject* rec = record_of(tr, *t);
-        if (rec == nullptr) continue;
-        py::object write = steal(PyTuple_Pack(2, index_obj.ptr(), rec));
-        if (PyList_Append(tr.writes.ptr(), write.ptr()) < 0) throw python_error();
-      }
-    }
-  }
-  // _output_owners, worked out before the op takes its arguments off the stack: in the optimizer step a foreach op's
-  // j-th output is for its first list's j-th tensor's parameter
-  c10::SmallVector<py::object, 4> owners;
+  track_captured(tr, optimizer ? untracked : inputs, site);
+  if (forward) note_forward_writes(tr, site, args);
   const bool per_output = optimizer && plan.foreach && plan.allocates && !args.empty();
-  if (per_output && args[0].isList()) {
-    for (const auto& item : args[0].toListRef()) {
-      PyObject* rec = is_tensor(item) && item.toTensor().layout() == c10::kStrided ? record_of(tr, item.toTensor())
-                                                                                  : nullptr;
-      owners.push_back(rec != nullptr ? parameter_of(rec) : g_config->empty);
-    }
-  }
+  c10::SmallVector<py::object, 4> owners;
+  if (per_output) owners = foreach_owners(tr, args);
   const bool accumulation = plan.accumulation && !forward && !c10::GradMode::is_enabled();
   inputs.clear();
   untracked.clear();
@@ -754,28 +797,9 @@ bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stac
   run_unseen(op, stack, stashed);
 
   auto returns = torch::jit::last(*stack, schema.returns().size());
-  if (plan.allocates) {
-    Tensors outputs;
-    tensors_in(returns, outputs);
-    for (size_t j = 0; j < outputs.size(); ++j) {
-      const at::Tensor& t = *outputs[j];
-      const py::object& owner = !per_output ? module : j < owners.size() ? owners[j] : g_config->empty;
-      if (!plain(t)) {  // a sparse or nested output: _outputs' way (its parts' storages)
-        py::object wrapped = steal(THPVariable_Wrap(t));
-        g_config->parts_outputs(py::handle(tr.mode), wrapped, plan.name, index_obj, owner);
-        continue;
-      }
-      py::object key = storage_key(t);
-      const int known = PyDict_Contains(tr.storages.ptr(), key.ptr());
-      if (known < 0) throw python_error();
-      if (known) continue;
-      py::object name = storage_name("", plan.utf8, index);
-      track(tr, t, key, name, Py_None, g_config->empty.ptr(), index_obj.ptr(), owner.ptr(), index_obj.ptr(),
-            phase.ptr());
-    }
-  }
-  if (accumulation && returns.size() == 1) note_accumulation(tr, held, returns[0], index_obj.ptr());
-  if (!tr.progress.is_none() && index % 1000 == 0) tr.progress(phase, index_obj);
+  if (plan.allocates) track_outputs(tr, site, returns, per_output, owners);
+  if (accumulation && returns.size() == 1) note_accumulation(tr, held, returns[0], site.index_obj.ptr());
+  if (!tr.progress.is_none() && index % 1000 == 0) tr.progress(phase, site.index_obj);
   return true;
 }
 
