@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from trainledger.ledger import Ledger
+
+
+@pytest.fixture
+def signals_not_ignored():
+    """SIGINT and SIGHUP as a terminal's shell leaves them, for the tests of what a signal does. A test run started in
+    the background (``nohup``, or ``cmd &`` in a script) ignores both, its children inherit that, and trainledger
+    rightly keeps ignored a signal its process began ignoring: those tests would see the command finish untouched."""
+    ignored = [s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_IGN]
+    for s in ignored:
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    yield
+    for s in ignored:
+        signal.signal(s, signal.SIG_IGN)
 
 
 @pytest.fixture

@@ -17,13 +17,19 @@ from typing import Any
 from trainledger import __version__
 from trainledger.commands.common import stdout_for_json_only
 from trainledger.errors import InputError
-from trainledger.signals import Terminated, exit_status, stop_children, terminating_signals_raise
+from trainledger.signals import (
+    Terminated,
+    exit_status,
+    interrupts_wait_for_imports,
+    stop_children,
+    terminating_signals_raise,
+)
 
 COMMANDS = ("demo", "state", "trace", "shard", "plan", "pareto", "estimate", "fit", "report")
-TRACING = frozenset({"demo", "trace", "plan", "pareto"})
-"""The commands that always trace a step: the tracer's compiled path is built before they run, where it is not yet."""
 """The subcommands, in the order ``--help`` lists them; each is a module of :mod:`trainledger.commands`, imported
 when the command line names it (``estimate`` and ``fit`` then never import torch) or asks for help."""
+TRACING = frozenset({"demo", "trace", "plan", "pareto"})
+"""The commands that always trace a step: the tracer's compiled path is built before they run, where it is not yet."""
 
 
 def _command(name: str) -> ModuleType:
@@ -164,7 +170,8 @@ def entry() -> int:
     after a trace of a Hugging Face model on this machine, a sixth of the command). Called in a process
     that goes on (a test, a notebook), use :func:`main`: frozen objects are never collected."""
     try:
-        status = main()
+        with interrupts_wait_for_imports():  # an import interrupted halfway can abort the process
+            status = main()
     except KeyboardInterrupt:  # before the command's own handler: while torch or transformers loaded
         sys.stderr.write("trainledger: interrupted\n")
         return exit_status(signal.SIGINT)

@@ -7,6 +7,9 @@ raise :class:`Terminated` the same way; the first signal also sets all three to 
 repeated Ctrl-C cannot cut the cleanup short. :func:`stop_children` then ends any process the command
 started that is still running (a MILP solver's process, for one).
 
+A signal that arrives while a module is being imported is acted on as soon as the import is done: raised inside a
+C extension's initialization (torch's, numpy's) an exception can abort the process or break the module.
+
 The command line exits with ``128 + signal number`` (130, 143, 129), as shells report a process ended by
 a signal. No torch import.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -47,8 +51,34 @@ def _exception(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
+def _loading() -> bool:
+    """Whether a module is being imported. A C extension's initialization may run Python code, and an exception a
+    signal handler raises there ends the process with ``abort()`` (torch's pybind11 code: "terminate called after
+    throwing an instance of 'pybind11::error_already_set'"), leaves a half-loaded extension that cannot be imported
+    again (numpy: "cannot load module more than once per process"), or is swallowed by a ``try`` around an optional
+    import, and the command then runs to its end."""
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False) for m in list(sys.modules.values()))
+
+
+def _send_again_when_loaded(signum: int) -> None:
+    while _loading():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signum)
+
+
+def _deferred_while_loading(signum: int) -> bool:
+    """Whether a signal that arrived while a module is being imported was put off: it is sent again as soon as no
+    import is under way, and acted on then."""
+    if not _loading():
+        return False
+    threading.Thread(target=_send_again_when_loaded, args=(signum,), name="trainledger-signal", daemon=True).start()
+    return True
+
+
 def _raise(signum: int, _frame: FrameType | None) -> None:
     if _received:  # the cleanup that follows must not be cut short by a second signal
+        return
+    if _deferred_while_loading(signum):
         return
     _received.append(signum)
     raise _exception(signum)
@@ -79,6 +109,30 @@ def terminating_signals_raise() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def interrupts_wait_for_imports() -> Iterator[None]:
+    """Within the block, Ctrl-C raises ``KeyboardInterrupt`` as Python's own handler does, except while a module is
+    being imported (torch and numpy load for a second or more as a command starts): then as soon as the import is
+    done. For the command line's start, before :func:`terminating_signals_raise`'s block; where SIGINT does not
+    raise ``KeyboardInterrupt`` (ignored, or a handler of the caller's), or off the main thread, this does nothing."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        if not _deferred_while_loading(signum):
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def child_pids(pid: int | None = None) -> list[int]:
