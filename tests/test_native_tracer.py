@@ -11,11 +11,12 @@ a path that silently declined everything could not pass.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -45,17 +46,24 @@ def _both(build: Callable[[], Workload], monkeypatch: pytest.MonkeyPatch) -> tup
     with monkeypatch.context() as m:
         m.setattr(tracer_module, "_attach_native", lambda _tracer: False)
         python = _ledger(trace(build()))
-    native_events: list[int] = []
+    with _native_events_counted(monkeypatch) as native_events:
+        native = _ledger(trace(build()))
+    return python, native, sum(native_events), native["num_events"]
+
+
+@contextlib.contextmanager
+def _native_events_counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The events the compiled path recorded, a number for each step tracer that ends within the block."""
+    counted: list[int] = []
     exit_ = tracer_module.StepTracer.__exit__
 
     def counting_exit(self: tracer_module.StepTracer, *exc: object) -> None:
         exit_(self, *exc)
-        native_events.append(self.native_events)
+        counted.append(self.native_events)
 
     with monkeypatch.context() as m:
         m.setattr(tracer_module.StepTracer, "__exit__", counting_exit)
-        native = _ledger(trace(build()))
-    return python, native, sum(native_events), native["num_events"]
+        yield counted
 
 
 def _assert_same(build: Callable[[], Workload], monkeypatch: pytest.MonkeyPatch, *, share: float = 0.75) -> None:
@@ -288,25 +296,16 @@ def _loop(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tens
             opt.zero_grad(set_to_none=True)
 
 
-def _recorded(make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], accumulate: int) -> tuple[dict, int]:
+def _recorded(
+    make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]], accumulate: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict, int]:
     from trainledger import record
 
     model, opt = make()
     torch.manual_seed(1)
     batches = [torch.randn(6, 10) for _ in range(3 * accumulate)]
-    counted: list[int] = []
-    exit_ = tracer_module.StepTracer.__exit__
-
-    def counting_exit(self: tracer_module.StepTracer, *exc: object) -> None:
-        exit_(self, *exc)
-        counted.append(self.native_events)
-
-    tracer_module.StepTracer.__exit__ = counting_exit
-    try:
-        with record(model, opt, steps=1) as rec:
-            _loop(model, opt, batches, accumulate=accumulate)
-    finally:
-        tracer_module.StepTracer.__exit__ = exit_
+    with _native_events_counted(monkeypatch) as counted, record(model, opt, steps=1) as rec:
+        _loop(model, opt, batches, accumulate=accumulate)
     return _ledger(rec.ledger(step=1)), sum(counted)
 
 
@@ -322,7 +321,7 @@ def test_record_of_a_users_loop_is_the_same_both_ways(accumulate: int, monkeypat
 
     with monkeypatch.context() as m:
         m.setattr(tracer_module, "_attach_native", lambda _tracer: False)
-        python, _ = _recorded(make, accumulate)
-    native, recorded = _recorded(make, accumulate)
+        python, _ = _recorded(make, accumulate, monkeypatch)
+    native, recorded = _recorded(make, accumulate, monkeypatch)
     assert native == python
     assert recorded >= 0.75 * native["num_events"], f"the compiled path recorded {recorded} of {native['num_events']}"

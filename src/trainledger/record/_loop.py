@@ -95,11 +95,15 @@ from trainledger.workload import iter_tensors
 _current_node = torch._C._current_autograd_node
 
 
+_OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
+"""The phase of an op between the model's modules and outside the optimizer step, by the last phase seen."""
+
+
 class _LoopTracer(StepTracer):
     """The step tracer, with the phase taken from where each op runs (the loop is the user's, so no
     caller can announce the phases)."""
 
-    native_phases = None  # set to _OUTSIDE below: the compiled path applies __torch_dispatch__'s rule itself
+    native_phases = _OUTSIDE  # the compiled path applies __torch_dispatch__'s rule itself
 
     def __init__(self, scopes: ModuleScopes) -> None:
         super().__init__(scopes)
@@ -183,8 +187,6 @@ def _warn_of_foreign_optimizers(model: nn.Module, optimizers: tuple[torch.optim.
             )
 
 
-_OUTSIDE = {"forward": "forward", "backward": "optimizer", "optimizer": "optimizer"}
-_LoopTracer.native_phases = _OUTSIDE
 _RUNNING: list[Recording] = []  # the record(...) entered now: one at a time (each step's tracer is a mode)
 
 

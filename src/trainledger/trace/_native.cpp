@@ -152,8 +152,9 @@ struct Tracer {
   PyObject* mode = nullptr;  // the StepTracer; owned (a reference held while attached)
   py::object ops, storages, refs, scopes, on_free, progress, writes, accumulations;
   py::object python_hook;  // its class's __torch_dispatch__: what the ops this path does not take go to
-  bool loop_phases = false;  // record's tracer: each op's phase worked out from where it runs (loop_phase)
-  py::object outside;  // then: the phase of an op between modules, by the last phase seen (record's _OUTSIDE)
+  // record's tracer: the phase of an op between modules by the last phase seen (record's _OUTSIDE), each op's phase
+  // worked out from where it runs (loop_phase); None for trace's own
+  py::object loop_phases = py::none();
   int64_t native_events = 0;  // events this path recorded (the rest went through __torch_dispatch__)
 };
 std::vector<std::unique_ptr<Tracer>> g_tracers;
@@ -330,6 +331,20 @@ py::object steal(PyObject* p) {
   return py::reinterpret_steal<py::object>(p);
 }
 
+bool truthy(const py::object& value) {
+  const int yes = PyObject_IsTrue(value.ptr());
+  if (yes < 0) throw python_error();
+  return yes == 1;
+}
+
+py::object attr(PyObject* obj, const py::object& name) {
+  return steal(PyObject_GetAttr(obj, name.ptr()));
+}
+
+void set_attr(PyObject* obj, const py::object& name, const py::object& value) {
+  if (PyObject_SetAttr(obj, name.ptr(), value.ptr()) < 0) throw python_error();
+}
+
 bool same_str(PyObject* a, const py::object& b) {
   return a == b.ptr() || (PyUnicode_Check(a) && PyUnicode_Compare(a, b.ptr()) == 0);
 }
@@ -438,7 +453,7 @@ PyObject* freed(PyObject* state, PyObject* ref) {
     PyObject* rec = slot(ref, g_config->ref_rec);
     if (rec == nullptr || rec == Py_None) return Py_NewRef(Py_None);
     PyObject* tracer = PyTuple_GET_ITEM(state, kTracer);
-    py::object active = steal(PyObject_GetAttr(tracer, g_config->a_active.ptr()));
+    py::object active = attr(tracer, g_config->a_active);
     if (!PyObject_IsTrue(active.ptr())) return Py_NewRef(Py_None);
     py::object record = py::reinterpret_borrow<py::object>(rec);  // alive through this call
     py::object key = py::reinterpret_borrow<py::object>(slot(ref, g_config->ref_key));
@@ -447,12 +462,12 @@ PyObject* freed(PyObject* state, PyObject* ref) {
     const Py_ssize_t now = PyList_GET_SIZE(PyTuple_GET_ITEM(state, kOps));
     py::object free_event = steal(PyLong_FromSsize_t(now));
     set_slot(rec, g_config->rec_free_event, free_event.ptr());
-    py::object ended = steal(PyObject_GetAttr(tracer, g_config->a_backward_ended_at.ptr()));
+    py::object ended = attr(tracer, g_config->a_backward_ended_at);
     if (PyLong_AsSsize_t(ended.ptr()) == now) {  // after backward's final callbacks, before any op
       if (PyList_Append(PyTuple_GET_ITEM(state, kAfterBackward), rec) < 0) throw python_error();
     }
     if (PyLong_AsUnsignedLong(PyTuple_GET_ITEM(state, kThread)) != PyThread_get_thread_ident()) {
-      py::object pauses = steal(PyObject_GetAttr(tracer, g_config->a_pauses.ptr()));
+      py::object pauses = attr(tracer, g_config->a_pauses);
       PyObject* into = PyTuple_GET_ITEM(state, PyObject_IsTrue(pauses.ptr()) ? kSettled : kElsewhere);
       if (PyList_Append(into, slot(rec, g_config->rec_name)) < 0) throw python_error();
     }
@@ -525,12 +540,12 @@ py::object parameter_of(PyObject* rec) {
 py::object backward_scope(Tracer& tr) {
   auto node = torch::autograd::get_current_node();
   if (!node) return g_config->no_scope;
-  py::object labelled = steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_labelled.ptr()));
+  py::object labelled = attr(tr.scopes.ptr(), g_config->a_labelled);
   const uint64_t number = node->sequence_nr();
   if (PyObject_IsTrue(labelled.ptr()) || number == UINT64_MAX) {
     return steal(PyObject_CallMethodNoArgs(tr.scopes.ptr(), g_config->a_backward_scope.ptr()));
   }
-  py::object numbers = steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_numbers.ptr()));
+  py::object numbers = attr(tr.scopes.ptr(), g_config->a_numbers);
   Py_ssize_t lo = 0, hi = PyList_GET_SIZE(numbers.ptr());
   while (lo < hi) {  // bisect_right
     Py_ssize_t mid = (lo + hi) / 2;
@@ -542,8 +557,8 @@ py::object backward_scope(Tracer& tr) {
       lo = mid + 1;
     }
   }
-  if (lo == 0) return steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_outside.ptr()));
-  py::object owners = steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_owners.ptr()));
+  if (lo == 0) return attr(tr.scopes.ptr(), g_config->a_outside);
+  py::object owners = attr(tr.scopes.ptr(), g_config->a_owners);
   return py::reinterpret_borrow<py::object>(PyList_GET_ITEM(owners.ptr(), lo - 1));
 }
 
@@ -602,23 +617,6 @@ void note_accumulation(Tracer& tr, c10::ArrayRef<c10::IValue> args, const c10::I
   if (PyList_Append(tr.accumulations.ptr(), acc.ptr()) < 0) throw python_error();
 }
 
-// One op recorded as StepTracer.__torch_dispatch__ records it: its event, the storages it meets first (inputs not
-// seen before, new outputs), in forward its in-place writes, and in backward a possible accumulation. Returns false,
-// having recorded nothing, where the op needs the Python hook (a kernel probe, tensors that are not plain).
-bool truthy(const py::object& value) {
-  const int yes = PyObject_IsTrue(value.ptr());
-  if (yes < 0) throw python_error();
-  return yes == 1;
-}
-
-py::object attr(PyObject* obj, const py::object& name) {
-  return steal(PyObject_GetAttr(obj, name.ptr()));
-}
-
-void set_attr(PyObject* obj, const py::object& name, const py::object& value) {
-  if (PyObject_SetAttr(obj, name.ptr(), value.ptr()) < 0) throw python_error();
-}
-
 // record's _LoopTracer.__torch_dispatch__, before it records: the phase of the op from where it runs (the loop is
 // the user's, so no caller announces the phases). In backward when autograd runs a node; in forward inside one of
 // the model's modules; in the optimizer step inside optimizer.step() (save the loss a closure computes); between
@@ -638,7 +636,7 @@ void loop_phase(Tracer& tr) {
         !(truthy(attr(mode, g_config->a_closure_forward)) && equal(after.ptr(), g_config->forward.ptr()))) {
       set_attr(mode, g_config->a_phase, g_config->optimizer);
     } else {
-      PyObject* next = PyDict_GetItemWithError(tr.outside.ptr(), after.ptr());
+      PyObject* next = PyDict_GetItemWithError(tr.loop_phases.ptr(), after.ptr());
       if (next == nullptr && PyErr_Occurred()) throw python_error();
       set_attr(mode, g_config->a_phase, next != nullptr ? py::reinterpret_borrow<py::object>(next) : g_config->zero_grad);
     }
@@ -749,9 +747,11 @@ void track_outputs(Tracer& tr, const Site& site, c10::ArrayRef<c10::IValue> retu
   }
 }
 
-// The hook's work for one op, in C++: false (nothing done) where the op is the Python hook's to record.
+// One op recorded as StepTracer.__torch_dispatch__ records it: its event, the storages it meets first (inputs not
+// seen before, new outputs), in forward its in-place writes, and in backward a possible accumulation. Returns false,
+// having recorded nothing, where the op needs the Python hook (a kernel probe, tensors that are not plain).
 bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stack* stack, bool stashed = false) {
-  if (tr.loop_phases && truthy(attr(tr.mode, g_config->a_passthrough))) {
+  if (!tr.loop_phases.is_none() && truthy(attr(tr.mode, g_config->a_passthrough))) {
     run_unseen(op, stack, stashed);
     return true;
   }
@@ -766,13 +766,13 @@ bool record_natively(Tracer& tr, const c10::OperatorHandle& op, torch::jit::Stac
   }
   if (test_holds(plan, schema, args)) return false;  // a kernel that holds buffers: _before_op probes it
 
-  if (tr.loop_phases) loop_phase(tr);
-  py::object phase = steal(PyObject_GetAttr(tr.mode, g_config->a_phase.ptr()));
+  if (!tr.loop_phases.is_none()) loop_phase(tr);
+  py::object phase = attr(tr.mode, g_config->a_phase);
   const bool forward = same_str(phase.ptr(), g_config->forward);
   const bool optimizer = !forward && same_str(phase.ptr(), g_config->optimizer);
   PyObject* ops = tr.ops.ptr();
   const Py_ssize_t index = PyList_GET_SIZE(ops);
-  py::object scope = forward ? steal(PyObject_GetAttr(tr.scopes.ptr(), g_config->a_scope.ptr())) : backward_scope(tr);
+  py::object scope = forward ? attr(tr.scopes.ptr(), g_config->a_scope) : backward_scope(tr);
   Site site{plan, index, steal(PyLong_FromSsize_t(index)), phase,
             py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(scope.ptr(), 0)),
             py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(scope.ptr(), 1))};
@@ -906,7 +906,7 @@ PyObject* unpack(PyObject* state, PyObject* t) {
       py::object last = steal(PyLong_FromSsize_t(n ? n - 1 : 0));
       set_slot(rec, g_config->rec_last_use_event, last.ptr());
     }
-    py::object queued = steal(PyObject_GetAttr(tracer, g_config->a_end_queued.ptr()));
+    py::object queued = attr(tracer, g_config->a_end_queued);
     if (!PyObject_IsTrue(queued.ptr())) {
       steal(PyObject_CallMethodNoArgs(tracer, g_config->a_queue_backward_end.ptr()));
     }
@@ -967,8 +967,7 @@ void attach(py::object mode, py::dict objects) {
   tr->writes = objects["writes"];
   tr->accumulations = objects["accumulations"];
   tr->python_hook = objects["python_hook"];
-  tr->outside = objects["loop_phases"];
-  tr->loop_phases = !tr->outside.is_none();
+  tr->loop_phases = objects["loop_phases"];
   py::object state = steal(PyTuple_New(kNumFreeState));
   const std::pair<FreeState, const char*> parts[] = {
       {kOps, "ops"}, {kStorages, "storages"}, {kFinished, "finished"}, {kAfterBackward, "freed_after_backward"},
